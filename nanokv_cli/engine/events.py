@@ -1,0 +1,220 @@
+"""Typed, ordered events for every change of KV-block state, plus one snapshot per step.
+
+Everything outside the engine (live views, traces, ``inspect``, reports) learns about the cache
+only from these. Emitters check for a listener before building an event, so an engine nobody
+listens to pays one attribute test per change and allocates nothing.
+
+Names follow vLLM's KV events where the meaning is the same: ``BlockStored`` (a full, computed
+block's hash was registered) and ``BlockRemoved`` (a hash left the prefix cache: eviction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, Union
+
+
+@dataclass(slots=True)
+class SequenceAdded:
+    seq_id: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class BlockAllocated:
+    """A cache miss: ``block_id`` was taken from the head of the free queue for ``seq_id``."""
+
+    seq_id: int
+    block_id: int
+
+
+@dataclass(slots=True)
+class BlockHit:
+    """A prefix-cache hit. ``shared``: the block was in use and its ref count grew;
+    ``revived``: it sat in the free queue with its hash and was taken back out."""
+
+    seq_id: int
+    block_id: int
+    block_hash: int
+    kind: Literal["shared", "revived"]
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """A full block's KV was computed and its chained hash registered."""
+
+    block_id: int
+    block_hash: int
+    parent_hash: int  # -1 for a sequence's first block
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Eviction: a free block carrying a hash was reused, so the hash left the cache."""
+
+    block_id: int
+    block_hash: int
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The whole prefix cache was dropped."""
+
+
+@dataclass(slots=True)
+class BlockFreed:
+    """``seq_id`` let go of ``block_id``; at ``ref_count == 0`` it went to the free queue's tail."""
+
+    seq_id: int
+    block_id: int
+    ref_count: int
+
+
+@dataclass(slots=True)
+class SequencePreempted:
+    seq_id: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SequenceFinished:
+    seq_id: int
+    reason: Literal["stop", "length"]
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache at (last) admission
+
+
+@dataclass(slots=True)
+class StepSnapshot:
+    step: int
+    kind: Literal["prefill", "decode", "mixed", "idle"]
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_free_blocks: int  # free but still holding a hash: reusable until evicted
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    wall_time: float  # seconds spent in this step
+    clock: float  # engine clock at the end of the step (wall or virtual seconds)
+    queries: int  # cumulative prompt tokens looked up in the prefix cache
+    hits: int  # cumulative tokens served from the cache (shared + revived)
+    shared_hits: int
+    revived_hits: int
+    evictions: int
+    preemptions: int
+    scheduled: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, num_tokens)
+
+
+Event = Union[
+    SequenceAdded,
+    BlockAllocated,
+    BlockHit,
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    BlockFreed,
+    SequencePreempted,
+    SequenceFinished,
+    StepSnapshot,
+]
+EventListener = Callable[[Event], None]
+
+EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in Event.__args__}
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    d = asdict(event)
+    d["type"] = type(event).__name__
+    return d
+
+
+def event_from_dict(d: dict[str, Any]) -> Event:
+    d = dict(d)
+    cls = EVENT_TYPES[d.pop("type")]
+    names = {f.name for f in fields(cls)}
+    kwargs = {k: v for k, v in d.items() if k in names}
+    if cls is StepSnapshot:
+        kwargs["scheduled"] = [tuple(x) for x in kwargs.get("scheduled", [])]
+    return cls(**kwargs)
+
+
+class EventBus:
+    """Fans events out to listeners. Falsy while nobody listens, which emitters test first."""
+
+    def __init__(self) -> None:
+        self.listeners: list[EventListener] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.listeners)
+
+    def subscribe(self, listener: EventListener) -> Callable[[], None]:
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener)
+
+    def __call__(self, event: Event) -> None:
+        for listener in self.listeners:
+            listener(event)
+
+
+class CacheState:
+    """The block map rebuilt from events alone: what views, traces and ``inspect`` show.
+
+    It mirrors the BlockManager's books (ref counts, hashes, block tables) without touching it,
+    so anything that can see the event stream can see the cache.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self.block_hash = [-1] * num_blocks
+        self.block_tokens: dict[int, list[int]] = {}
+        self.block_tables: dict[int, list[int]] = {}
+        self.prompts: dict[int, list[int]] = {}
+        self.last_snapshot: StepSnapshot | None = None
+        self.finished: set[int] = set()
+
+    def apply(self, event: Event) -> None:
+        t = type(event)
+        if t is BlockAllocated:
+            self.ref_count[event.block_id] = 1
+            self.block_hash[event.block_id] = -1
+            self.block_tokens.pop(event.block_id, None)
+            self.block_tables.setdefault(event.seq_id, []).append(event.block_id)
+        elif t is BlockHit:
+            self.ref_count[event.block_id] += 1
+            self.block_tables.setdefault(event.seq_id, []).append(event.block_id)
+        elif t is BlockStored:
+            self.block_hash[event.block_id] = event.block_hash
+            self.block_tokens[event.block_id] = list(event.token_ids)
+        elif t is BlockRemoved:
+            self.block_hash[event.block_id] = -1
+            self.block_tokens.pop(event.block_id, None)
+        elif t is BlockFreed:
+            self.ref_count[event.block_id] = event.ref_count
+            table = self.block_tables.get(event.seq_id)
+            if table:
+                table.remove(event.block_id)
+                if not table:
+                    del self.block_tables[event.seq_id]
+        elif t is AllBlocksCleared:
+            self.block_hash = [-1] * self.num_blocks
+            self.block_tokens.clear()
+        elif t is SequenceAdded:
+            self.prompts[event.seq_id] = list(event.prompt_token_ids)
+        elif t is SequenceFinished:
+            self.finished.add(event.seq_id)
+        elif t is StepSnapshot:
+            self.last_snapshot = event
+
+    def state(self, block_id: int) -> str:
+        """``free`` (clean), ``cached`` (free, hash kept), ``used`` (one owner) or ``shared``."""
+        rc = self.ref_count[block_id]
+        if rc == 0:
+            return "cached" if self.block_hash[block_id] != -1 else "free"
+        return "shared" if rc > 1 else "used"
