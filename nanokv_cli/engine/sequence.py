@@ -41,6 +41,8 @@ class Sequence:
         # Chained hashes of this sequence's full blocks, filled lazily; full blocks never
         # change, so the cache is never invalidated (only extended).
         self.block_hashes: list[int] = []
+        self.num_prefix_hit_tokens = -1  # prompt tokens served from the cache at first admission
+        self.finish_reason: str | None = None
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos

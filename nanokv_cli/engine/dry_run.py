@@ -1,0 +1,67 @@
+"""A model-free executor: the scheduler and block manager run end to end without torch.
+
+Tokens are a deterministic function of the sequence so far, so equal prompts produce equal
+answers (as greedy decoding would) and multi-turn prefix reuse behaves as with a model.
+
+Time is virtual. Each step advances the clock by a cost model of one GPU serving a small model:
+
+    step_time = step_overhead + per_token * scheduled_tokens + per_kv_token * attended_kv_tokens
+
+with defaults 5 ms + 20 us per computed token (50k prefill tokens/s) + 0.1 us per KV token read
+(see StepCostModel). It is not a performance prediction; it only orders arrivals against
+completions, which decides how full the cache is when each request arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    step_overhead: float = 5e-3  # seconds per step (launches, sampling, scheduling)
+    per_token: float = 2e-5  # seconds per computed token (weights' FLOPs)
+    per_kv_token: float = 1e-7  # seconds per KV token attended to (cache reads)
+
+    def cost(self, seqs: list[Sequence]) -> float:
+        tokens = kv = 0
+        for seq in seqs:
+            tokens += seq.num_scheduled_tokens
+            kv += seq.num_cached_tokens + seq.num_scheduled_tokens
+        return self.step_overhead + self.per_token * tokens + self.per_kv_token * kv
+
+
+class VirtualClock:
+    """Seconds that pass only when told to: by step costs, or by waiting for an arrival."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.time = start
+
+    def __call__(self) -> float:
+        return self.time
+
+    def advance(self, seconds: float) -> None:
+        self.time += seconds
+
+    def wait_until(self, t: float) -> None:
+        self.time = max(self.time, t)
+
+
+class DryRunExecutor:
+    def __init__(
+        self,
+        vocab_size: int = 49152,
+        clock: VirtualClock | None = None,
+        cost_model: StepCostModel = StepCostModel(),
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.clock = clock if clock is not None else VirtualClock()
+        self.cost_model = cost_model
+
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        self.clock.advance(self.cost_model.cost(seqs))
+        v = self.vocab_size
+        # Knuth's multiplicative hash of (last token, length): cheap, deterministic, well spread.
+        return [((seq.last_token * 2654435761) ^ (seq.num_tokens * 40503)) % v for seq in seqs]

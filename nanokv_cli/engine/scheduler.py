@@ -1,0 +1,230 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Each step is built under one token budget (``max_num_batched_tokens``): first one token for
+every running (decoding) sequence, then prompt chunks for waiting sequences in arrival order.
+Prefill and decode share a step (Sarathi-style "mixed" steps) because
+
+* decodes never stall behind a long prompt, so inter-token latency stays flat while new
+  requests are admitted, and
+* a decode token costs almost nothing extra when it rides along with a prefill's matmuls,
+  whereas a decode-only step at small batch is bound by reading the weights.
+
+Any sequence may be cut at the budget's edge, not only the first of a step as in nano-vllm, so
+the budget is always filled. A partially prefilled sequence keeps its blocks and stays in
+``waiting`` (status WAITING, ``is_prefill``) until its whole prompt is computed; the token
+sampled after an unfinished chunk is discarded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from .block_manager import BlockManager
+from .events import EventListener, SequenceFinished, SequencePreempted
+from .sequence import Sequence, SequenceStatus
+
+
+class RequestRejected(ValueError):
+    """A request that could never run with this engine's limits."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+        on_event: EventListener | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.on_event = on_event
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_prefilling = 0  # waiting sequences that already hold blocks (mid-prefill)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Raise RequestRejected if ``seq`` could never complete, whatever else is running."""
+        n_prompt, n_max = seq.num_prompt_tokens, seq.max_tokens
+        if n_prompt == 0:
+            raise RequestRejected("the prompt is empty")
+        if self.max_model_len is not None and n_prompt + n_max > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({n_prompt} tokens) + max_tokens ({n_max}) exceeds max_model_len "
+                f"({self.max_model_len})"
+            )
+        bm = self.block_manager
+        # The last generated token is never fed back, so its KV needs no slot.
+        blocks_needed = -(-(n_prompt + n_max - 1) // bm.block_size)
+        if blocks_needed > bm.num_blocks:
+            raise RequestRejected(
+                f"request needs {blocks_needed} KV blocks of {bm.block_size} tokens "
+                f"(prompt {n_prompt} + max_tokens {n_max}) but the cache has only "
+                f"{bm.num_blocks}; raise the cache size or lower max_tokens"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_admissible(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    # -- building a step -------------------------------------------------------------------------
+
+    def schedule(self) -> list[Sequence]:
+        """Pick this step's sequences and set each one's ``num_scheduled_tokens``."""
+        decodes = self._schedule_decodes()
+        budget = self.max_num_batched_tokens - len(decodes)
+        prefills = self._schedule_prefills(budget, self.max_num_seqs - len(decodes))
+        return decodes + prefills
+
+    def _schedule_decodes(self) -> list[Sequence]:
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
+        while self.running and len(scheduled) < limit:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                victim = self._pick_victim()
+                if victim is None:
+                    self.preempt(seq)
+                    break
+                self.preempt(victim)
+            else:
+                bm.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def _pick_victim(self) -> Sequence | None:
+        """The most recently admitted sequence holding blocks: running first, then mid-prefill.
+
+        Taking mid-prefill sequences too (before giving up on the current one) means the oldest
+        running sequence can always claim the whole cache, so the engine cannot livelock."""
+        if self.running:
+            return self.running.pop()
+        if self.num_prefilling:
+            for seq in reversed(self.waiting):
+                if seq.block_table:
+                    return seq
+        return None
+
+    def _schedule_prefills(self, budget: int, max_seqs: int) -> list[Sequence]:
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        admitting = True  # FCFS: once one new request does not fit, admit no later one
+        holders_seen = 0
+        for seq in self.waiting:
+            if budget <= 0 or len(scheduled) >= max_seqs:
+                break
+            if seq.block_table:
+                holders_seen += 1
+            else:
+                if not admitting:
+                    if holders_seen >= self.num_prefilling:
+                        break
+                    continue
+                num_cached_blocks = bm.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    admitting = False
+                    continue
+                bm.allocate(seq, num_cached_blocks)
+                if seq.num_prefix_hit_tokens < 0:
+                    seq.num_prefix_hit_tokens = seq.num_cached_tokens
+                self.num_prefilling += 1
+                holders_seen += 1
+            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+        for seq in scheduled:
+            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                # The prompt completes this step: from now on it decodes.
+                self.waiting.remove(seq)
+                self.num_prefilling -= 1
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, queue at the front."""
+        if seq.status == SequenceStatus.WAITING:  # mid-prefill victim: it keeps its place
+            self.num_prefilling -= 1
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.block_manager.deallocate(seq)
+        seq.is_prefill = True
+        self.block_manager.stats.preemptions += 1
+        if self.on_event:
+            self.on_event(SequencePreempted(seq.seq_id, seq.num_tokens))
+
+    # -- after the forward pass ------------------------------------------------------------------
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Record computed KV and sampled tokens; return the sequences that got a new token."""
+        bm = self.block_manager
+        advanced = []
+        for seq, token_id in zip(seqs, token_ids):
+            bm.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens < seq.num_tokens:
+                continue  # an unfinished prompt chunk: its sampled token means nothing
+            seq.is_prefill = False
+            seq.append_token(token_id)
+            advanced.append(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+        return advanced
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if not seq.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= seq.max_tokens:
+            return "length"
+        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        if self.on_event:
+            self.on_event(
+                SequenceFinished(
+                    seq.seq_id,
+                    reason,
+                    seq.num_prompt_tokens,
+                    seq.num_completion_tokens,
+                    seq.num_prefix_hit_tokens,
+                )
+            )
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a request wherever it is (e.g. the client went away). True if it was found."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    if seq.block_table and queue is self.waiting:
+                        self.num_prefilling -= 1
+                    queue.remove(seq)
+                    self.block_manager.deallocate(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "abort"
+                    return True
+        return False
