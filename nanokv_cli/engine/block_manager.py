@@ -8,6 +8,8 @@ later request with the same prefix maps the same physical blocks instead of reco
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +27,14 @@ from .events import (
     EventListener,
 )
 from .sequence import Sequence
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _same_tokens(a, b) -> bool:
+    if type(a) is type(b):
+        return a == b
+    return list(a) == list(b)  # a list and an int64 array: rare, compare element-wise
 
 
 class Block:
@@ -113,7 +123,9 @@ class BlockManager:
         on_event: EventListener | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -134,7 +146,10 @@ class BlockManager:
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))
-        h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+        if isinstance(token_ids, array) and token_ids.typecode == "q" and _LITTLE_ENDIAN:
+            h.update(token_ids)  # already little-endian int64 bytes: no conversion
+        else:
+            h.update(np.asarray(token_ids, dtype="<i8").tobytes())
         return h.intdigest()
 
     def _block_hash(self, seq: Sequence, i: int) -> int:
@@ -149,7 +164,7 @@ class BlockManager:
         """Physical block holding logical block ``i`` of ``seq`` in the prefix cache, or -1."""
         block_id = self.hash_to_block_id.get(self._block_hash(seq, i), -1)
         # A hash match alone is not proof: verify the tokens (xxh64 can collide).
-        if block_id != -1 and self.blocks[block_id].token_ids != seq.block(i):
+        if block_id != -1 and not _same_tokens(self.blocks[block_id].token_ids, seq.block(i)):
             return -1
         return block_id
 
@@ -180,7 +195,9 @@ class BlockManager:
         emit = self.on_event
         for i in range(num_cached_blocks):
             block_id = self._lookup(seq, i)
-            assert block_id != -1, "allocate() was given more cached blocks than can_allocate() found"
+            assert block_id != -1, (
+                "allocate() was given more cached blocks than can_allocate() found"
+            )
             block = self.blocks[block_id]
             if block.ref_count:
                 block.ref_count += 1
@@ -239,11 +256,11 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         # A decode step needs a new block only when the token to compute opens one:
         # len(seq) % block_size == 1, written so that block_size 1 works too.
-        return len(self.free_block_ids) >= ((len(seq) - 1) % self.block_size == 0)
+        return len(self.free_block_ids) >= ((seq.num_tokens - 1) % self.block_size == 0)
 
     def may_append(self, seq: Sequence) -> None:
-        # The token about to be computed is the last one; it needs a new block when it starts one.
-        if len(seq.block_table) < seq.num_blocks:
+        # The token about to be computed is the last one; it needs a new block when it opens one.
+        if len(seq.block_table) * self.block_size < seq.num_tokens:
             self._allocate_free_block(seq)
 
     def hash_blocks(self, seq: Sequence) -> None:
@@ -265,7 +282,9 @@ class BlockManager:
             # later registration wins, and either copy is a valid target for the hash.
             self.hash_to_block_id[h] = block.block_id
             if self.on_event:
-                self.on_event(BlockStored(block.block_id, h, seq.block_hashes[i - 1] if i else -1, token_ids))
+                self.on_event(
+                    BlockStored(block.block_id, h, seq.block_hashes[i - 1] if i else -1, token_ids)
+                )
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (e.g. after weights change)."""
@@ -290,7 +309,9 @@ class BlockManager:
         cached_free = sum(1 for b in free if self.blocks[b].hash != -1)
         assert cached_free == self.num_cached_free_blocks, "cached-free counter drifted"
         for h, b in self.hash_to_block_id.items():
-            assert self.blocks[b].hash == h, f"hash {h} maps to block {b} holding {self.blocks[b].hash}"
+            assert self.blocks[b].hash == h, (
+                f"hash {h} maps to block {b} holding {self.blocks[b].hash}"
+            )
         if live_seqs is not None:
             counts = [0] * n
             for seq in live_seqs:

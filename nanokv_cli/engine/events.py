@@ -10,9 +10,10 @@ block's hash was registered) and ``BlockRemoved`` (a hash left the prefix cache:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 
 @dataclass(slots=True)
@@ -111,26 +112,29 @@ class StepSnapshot:
     scheduled: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, num_tokens)
 
 
-Event = Union[
-    SequenceAdded,
-    BlockAllocated,
-    BlockHit,
-    BlockStored,
-    BlockRemoved,
-    AllBlocksCleared,
-    BlockFreed,
-    SequencePreempted,
-    SequenceFinished,
-    StepSnapshot,
-]
+Event = (
+    SequenceAdded
+    | BlockAllocated
+    | BlockHit
+    | BlockStored
+    | BlockRemoved
+    | AllBlocksCleared
+    | BlockFreed
+    | SequencePreempted
+    | SequenceFinished
+    | StepSnapshot
+)
 EventListener = Callable[[Event], None]
 
 EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in Event.__args__}
 
 
 def event_to_dict(event: Event) -> dict[str, Any]:
-    d = asdict(event)
-    d["type"] = type(event).__name__
+    """A JSON-ready dict (token arrays become lists) with the event's class in ``type``."""
+    d = {"type": type(event).__name__}
+    for f in fields(event):
+        v = getattr(event, f.name)
+        d[f.name] = list(v) if isinstance(v, array) else v
     return d
 
 

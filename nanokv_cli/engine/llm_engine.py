@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from .block_manager import BlockManager
@@ -34,7 +34,6 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list, repr=False)
 
 
 class LLMEngine:
@@ -119,16 +118,15 @@ class LLMEngine:
         advanced = self.scheduler.postprocess(seqs, token_ids)
         now = self.clock
         outputs = [self._record(seq, now) for seq in advanced]
-        self.num_steps += 1
         if self.events:
             self._snapshot(scheduled, time.perf_counter() - t0, now)
+        self.num_steps += 1
         return outputs
 
     def _record(self, seq: Sequence, now: float) -> RequestOutput:
         out = self._outputs[seq.seq_id]
         out.new_token_ids = [seq.last_token]
         out.token_ids.append(seq.last_token)
-        out.token_times.append(now)
         if out.first_token_time is None:
             out.first_token_time = now
             out.num_cached_tokens = seq.num_prefix_hit_tokens

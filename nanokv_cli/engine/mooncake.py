@@ -10,6 +10,7 @@ Tokens are made per request, on demand, so a whole trace never sits in memory.
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,11 @@ class MalformedTraceError(ValueError):
     """A trace line that is not a Mooncake request; the message names the line."""
 
 
-def synthesize_tokens(hash_ids: list[int], input_length: int, vocab_size: int = 32000) -> list[int]:
-    """The prompt of a request: hash id ``h`` -> the same 512 tokens wherever it appears."""
+def synthesize_tokens(hash_ids: list[int], input_length: int, vocab_size: int = 32000) -> array:
+    """The prompt of a request: hash id ``h`` -> the same 512 tokens wherever it appears.
+
+    Returned as an int64 ``array`` (which Sequence keeps as is): a trace holds ~10^8 prompt
+    tokens, and making each one a Python int would cost more than all the accounting."""
     ids = np.asarray(hash_ids, dtype=np.uint64)[:, None]
     pos = np.arange(MOONCAKE_BLOCK_SIZE, dtype=np.uint64)[None, :]
     # splitmix64 finalizer over (id, position): a stateless pseudo-random block per id.
@@ -35,7 +39,8 @@ def synthesize_tokens(hash_ids: list[int], input_length: int, vocab_size: int = 
     x ^= x >> np.uint64(27)
     x *= np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
-    return (x.reshape(-1)[:input_length] % np.uint64(vocab_size)).tolist()
+    tokens = (x.reshape(-1)[:input_length] % np.uint64(vocab_size)).astype("<i8")
+    return array("q", tokens.tobytes())
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class MooncakeRequest:
     output_length: int
     hash_ids: tuple[int, ...]
 
-    def prompt_token_ids(self, vocab_size: int = 32000) -> list[int]:
+    def prompt_token_ids(self, vocab_size: int = 32000) -> array:
         return synthesize_tokens(list(self.hash_ids), self.input_length, vocab_size)
 
 

@@ -17,6 +17,7 @@ sampled after an unfinished chunk is discarded.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Iterable
 
@@ -91,21 +92,30 @@ class Scheduler:
 
     def _schedule_decodes(self) -> list[Sequence]:
         bm = self.block_manager
+        bs = bm.block_size
+        running = self.running
         scheduled: list[Sequence] = []
-        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
-        while self.running and len(scheduled) < limit:
-            seq = self.running.popleft()
-            while not bm.can_append(seq):
-                victim = self._pick_victim()
-                if victim is None:
-                    self.preempt(seq)
-                    break
-                self.preempt(victim)
-            else:
-                bm.may_append(seq)
-                seq.num_scheduled_tokens = 1
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+        append = scheduled.append
+        for _ in range(min(self.max_num_seqs, self.max_num_batched_tokens, len(running))):
+            if not running:
+                break  # preemptions emptied the queue
+            seq = running.popleft()
+            # Hot path: most decode tokens land in a block they already have, so test that
+            # first (what may_append tests) and only then go through can_append/preemption.
+            if seq.num_tokens > len(seq.block_table) * bs:
+                while not bm.can_append(seq):
+                    victim = self._pick_victim()
+                    if victim is None:
+                        self.preempt(seq)
+                        break
+                    self.preempt(victim)
+                else:
+                    bm.may_append(seq)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+            seq.num_scheduled_tokens = 1
+            append(seq)
+        running.extendleft(reversed(scheduled))
         return scheduled
 
     def _pick_victim(self) -> Sequence | None:
@@ -175,29 +185,32 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record computed KV and sampled tokens; return the sequences that got a new token."""
         bm = self.block_manager
+        bs = bm.block_size
+        eos = self.eos_token_ids
+        max_len = self.max_model_len or sys.maxsize
         advanced = []
+        append = advanced.append
+        # Runs for every sequence of every step: keep it to attribute arithmetic.
         for seq, token_id in zip(seqs, token_ids):
-            bm.hash_blocks(seq)
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens
+            if end // bs != start // bs:
+                bm.hash_blocks(seq)  # a block became full and computed
+            seq.num_cached_tokens = end
             seq.num_scheduled_tokens = 0
-            if seq.num_cached_tokens < seq.num_tokens:
+            if end < seq.num_tokens:
                 continue  # an unfinished prompt chunk: its sampled token means nothing
             seq.is_prefill = False
             seq.append_token(token_id)
-            advanced.append(seq)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason)
+            append(seq)
+            if token_id in eos and not seq.ignore_eos:
+                self._finish(seq, "stop")
+            elif (
+                seq.num_tokens - seq.num_prompt_tokens >= seq.max_tokens
+                or seq.num_tokens >= max_len
+            ):
+                self._finish(seq, "length")
         return advanced
-
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if not seq.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= seq.max_tokens:
-            return "length"
-        if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -1,3 +1,4 @@
+from array import array
 from enum import Enum, auto
 from itertools import count
 
@@ -30,7 +31,9 @@ class Sequence:
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
-        self.token_ids = list(token_ids)
+        # An int64 ``array`` is kept as one (synthesized trace prompts: no per-token objects);
+        # anything else becomes a list.
+        self.token_ids = token_ids[:] if isinstance(token_ids, array) else list(token_ids)
         self.last_token = self.token_ids[-1] if self.token_ids else None
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens

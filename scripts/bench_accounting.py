@@ -1,0 +1,195 @@
+"""Cost of nanokv's block accounting, with no model: the dry-run engine.
+
+1. One decode step of the scheduler + block manager with N running sequences (default 256),
+   events off and on, against a bare loop that only moves the same sequences through a deque
+   (the floor any Python scheduler pays), measured in the same run.
+2. The whole Mooncake conversation trace (shared/traces) at block size 512: all requests at
+   once, and with their timestamps, for a few cache sizes. Each configuration runs in its own
+   process so peak RSS is its own.
+
+    python scripts/bench_accounting.py                 # everything
+    python scripts/bench_accounting.py --limit 2000    # a slice of the trace
+    python scripts/bench_accounting.py --skip-trace    # decode step only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanokv_cli.engine.block_manager import BlockManager  # noqa: E402
+from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock  # noqa: E402
+from nanokv_cli.engine.llm_engine import LLMEngine  # noqa: E402
+from nanokv_cli.engine.mooncake import read_mooncake  # noqa: E402
+from nanokv_cli.engine.replay import Request, all_at_once, replay  # noqa: E402
+from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
+from nanokv_cli.engine.scheduler import Scheduler  # noqa: E402
+from nanokv_cli.engine.sequence import Sequence  # noqa: E402
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def decode_step_us(num_seqs: int, steps: int, events: bool) -> float:
+    bm = BlockManager(num_blocks=num_seqs * 64, block_size=256)
+    sched = Scheduler(bm, max_num_seqs=num_seqs, max_num_batched_tokens=1 << 20)
+    if events:
+        sink: list = []
+        bm.on_event = sched.on_event = sink.append
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+    for _ in range(num_seqs):
+        sched.add(
+            Sequence([rng.randrange(32000) for _ in range(rng.randint(64, 512))], params, 256)
+        )
+    seqs = sched.schedule()
+    sched.postprocess(seqs, [1] * len(seqs))  # prefill; from here on every step decodes
+    tokens = [7] * num_seqs
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        seqs = sched.schedule()
+        sched.postprocess(seqs, tokens)
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def bare_loop_us(num_seqs: int, steps: int) -> float:
+    class S:
+        __slots__ = ("n", "k")
+
+        def __init__(self):
+            self.n = self.k = 0
+
+    q = deque(S() for _ in range(num_seqs))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = []
+        for _ in range(num_seqs):
+            s = q.popleft()
+            s.k = 1
+            out.append(s)
+        for s in out:
+            s.n += s.k
+        q.extendleft(reversed(out))
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def run_trace(num_blocks: int, at_once: bool, limit: int | None) -> dict:
+    clock = VirtualClock()
+    engine = LLMEngine(
+        DryRunExecutor(clock=clock),
+        num_blocks=num_blocks,
+        block_size=512,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        clock=clock,
+    )
+    reqs = (
+        Request(
+            r.prompt_token_ids,
+            SamplingParams(max_tokens=r.output_length, ignore_eos=True),
+            r.timestamp,
+        )
+        for r in read_mooncake(TRACE, limit=limit)
+    )
+    if at_once:
+        reqs = all_at_once(reqs)
+    t0 = time.perf_counter()
+    finished = steps = 0
+    for outs in replay(engine, reqs, clock):
+        steps += 1
+        finished += sum(o.finished for o in outs)
+    wall = time.perf_counter() - t0
+    s = engine.block_manager.stats
+    return {
+        "num_blocks": num_blocks,
+        "arrivals": "all at once" if at_once else "timestamps",
+        "requests": finished,
+        "wall_s": round(wall, 2),
+        "steps": steps,
+        "hit_rate": round(s.hit_rate, 4),
+        "evictions": s.evictions,
+        "preemptions": s.preemptions,
+        "virtual_s": round(clock(), 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def infinite_cache_hit_rate(limit: int | None) -> float:
+    seen: set[int] = set()
+    hits = total = 0
+    for r in read_mooncake(TRACE, limit=limit):
+        total += r.input_length
+        for h in r.hash_ids[: (r.input_length - 1) // 512]:
+            if h not in seen:
+                break
+            hits += 512
+        seen.update(r.hash_ids)
+    return hits / total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--limit", type=int, default=None, help="first N trace requests")
+    ap.add_argument("--num-blocks", default="2000,8000,32000")
+    ap.add_argument("--skip-trace", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one trace config, print JSON
+    args = ap.parse_args()
+    if args.one:
+        blocks, at_once = args.one.split(":")
+        print(json.dumps(run_trace(int(blocks), at_once == "1", args.limit)))
+        return
+
+    floor = bare_loop_us(args.num_seqs, args.steps)
+    off = decode_step_us(args.num_seqs, args.steps, events=False)
+    on = decode_step_us(args.num_seqs, args.steps, events=True)
+    print(f"decode step, {args.num_seqs} running sequences (scheduler + block manager):")
+    print(f"  bare deque loop (floor)  {floor:7.1f} us")
+    print(f"  events off               {off:7.1f} us   {off / floor:.2f}x floor")
+    print(
+        f"  events on                {on:7.1f} us   {on / floor:.2f}x floor, {on / off:.2f}x events off"
+    )
+    if args.skip_trace:
+        return
+    if not TRACE.exists():
+        sys.exit(f"trace not found at {TRACE}")
+    print(
+        f"\nMooncake conversation trace, block size 512 "
+        f"(infinite-cache hit rate {infinite_cache_hit_rate(args.limit):.3f}):"
+    )
+    cols = [
+        "arrivals",
+        "num_blocks",
+        "requests",
+        "wall_s",
+        "steps",
+        "hit_rate",
+        "evictions",
+        "preemptions",
+        "virtual_s",
+        "peak_rss_mb",
+    ]
+    print("  " + "  ".join(f"{c:>12}" for c in cols))
+    for at_once in (True, False):
+        for blocks in args.num_blocks.split(","):
+            cmd = [sys.executable, __file__, "--one", f"{blocks}:{int(at_once)}"]
+            if args.limit:
+                cmd += ["--limit", str(args.limit)]
+            row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            print("  " + "  ".join(f"{row[c]!s:>12}" for c in cols), flush=True)
+
+
+if __name__ == "__main__":
+    main()
