@@ -1,0 +1,143 @@
+"""The user-facing Python API: ``LLM(model).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.loader import load_model
+from .engine.model_runner import ModelRunner
+from .engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A model on a paged KV cache.
+
+    ``model`` is a Hugging Face folder, a ``.gguf`` file, or None for the default
+    SmolLM2-135M-Instruct. On CPU the cache size comes from ``num_blocks`` or the
+    ``kv_cache_memory`` budget in bytes; on GPU from ``gpu_memory_utilization``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | None = None,
+        device: str | None = None,
+        block_size: int = 256,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+    ) -> None:
+        loaded = load_model(model)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.source
+        limit = self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.model_runner = ModelRunner(
+            self.config,
+            loaded.weights,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            dtype=dtype,
+            device=device,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+        )
+        self.engine = LLMEngine(
+            self.model_runner,
+            num_blocks=self.model_runner.num_blocks,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=loaded.eos_token_ids,
+        )
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(
+        self,
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield ``(prompt index, output)`` each time a request gets a token.
+
+        All prompts are encoded and admitted (or rejected) before the first step, so a bad
+        request fails before any work is done. Engine events go to ``self.engine.events``.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = _broadcast(sampling_params, len(prompts))
+        token_ids = [self.encode(p) for p in prompts]
+        index: dict[int, int] = {}
+        try:
+            for i, (ids, sp) in enumerate(zip(token_ids, params)):
+                index[self.engine.add_request(ids, sp)] = i
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    yield index[out.seq_id], out
+        finally:
+            # An interrupted stream must not leave requests holding blocks in the engine.
+            for seq_id in index:
+                self.engine.abort_request(seq_id)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[dict]:
+        """Run every prompt to completion; one dict per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in self.stream(prompts, sampling_params):
+            if out.finished:
+                results[i] = out
+        return [self._as_dict(out) for out in results]
+
+    def _as_dict(self, out: RequestOutput) -> dict:
+        return {
+            "text": self.tokenizer.decode(out.token_ids),
+            "token_ids": list(out.token_ids),
+            "num_prompt_tokens": out.num_prompt_tokens,
+            "num_cached_tokens": out.num_cached_tokens,
+            "finish_reason": out.finish_reason,
+            "ttft": out.first_token_time - out.arrival_time,
+            "latency": out.finish_time - out.arrival_time,
+        }
+
+
+def _broadcast(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if len(sampling_params) != n:
+        raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
+    return list(sampling_params)
