@@ -11,7 +11,7 @@ from .block_manager import BlockManager
 from .events import EventBus, SequenceAdded, StepSnapshot
 from .sampling_params import SamplingParams
 from .scheduler import RequestRejected, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "Executor"]
 
@@ -114,28 +114,35 @@ class LLMEngine:
         t0 = time.perf_counter()
         seqs = self.scheduler.schedule()
         token_ids = self.executor.run(seqs) if seqs else []
-        scheduled = [(s.seq_id, s.num_scheduled_tokens, s.is_prefill) for s in seqs]
+        listening = bool(self.events)
+        if listening:  # postprocess resets num_scheduled_tokens: read them first
+            scheduled = [(s.seq_id, s.num_scheduled_tokens, s.is_prefill) for s in seqs]
         advanced = self.scheduler.postprocess(seqs, token_ids)
         now = self.clock
-        outputs = [self._record(seq, now) for seq in advanced]
-        if self.events:
+        outputs = self._record(advanced, now)
+        if listening:
             self._snapshot(scheduled, time.perf_counter() - t0, now)
         self.num_steps += 1
         return outputs
 
-    def _record(self, seq: Sequence, now: float) -> RequestOutput:
-        out = self._outputs[seq.seq_id]
-        out.new_token_ids = [seq.last_token]
-        out.token_ids.append(seq.last_token)
-        if out.first_token_time is None:
-            out.first_token_time = now
-            out.num_cached_tokens = seq.num_prefix_hit_tokens
-        if seq.is_finished:
-            out.finished = True
-            out.finish_reason = seq.finish_reason
-            out.finish_time = now
-            del self._outputs[seq.seq_id]
-        return out
+    def _record(self, advanced: list[Sequence], now: float) -> list[RequestOutput]:
+        outputs = []
+        pending = self._outputs
+        for seq in advanced:  # once per generated token: a plain loop, no helper calls
+            out = pending[seq.seq_id]
+            token = seq.last_token
+            out.new_token_ids = [token]
+            out.token_ids.append(token)
+            if out.first_token_time is None:
+                out.first_token_time = now
+                out.num_cached_tokens = seq.num_prefix_hit_tokens
+            if seq.status is SequenceStatus.FINISHED:
+                out.finished = True
+                out.finish_reason = seq.finish_reason
+                out.finish_time = now
+                del pending[seq.seq_id]
+            outputs.append(out)
+        return outputs
 
     def _snapshot(self, scheduled: list[tuple[int, int, bool]], wall: float, now: float) -> None:
         bm, stats = self.block_manager, self.block_manager.stats
