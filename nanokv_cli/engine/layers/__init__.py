@@ -1,0 +1,1 @@
+"""Building blocks of the decoder models, tensor-parallel-ready in the style of nano-vllm."""

@@ -1,0 +1,29 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import copy_checked
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        copy_checked(param.data, loaded)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+        # F.rms_norm is one fused kernel; in fp32 it is bit-identical to transformers' formula,
+        # and in bf16 it normalises in fp32 internally (one rounding away from transformers).
+        if residual is not None:
+            x = x + residual
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

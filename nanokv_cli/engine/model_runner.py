@@ -1,0 +1,560 @@
+"""Runs the model for one scheduler step over the paged KV cache and samples the next tokens.
+
+The runner owns the weights, the KV cache tensor (layout in ``layers/attention.py``:
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``) and the sampler. Each step
+it turns the scheduled sequences into one flat batch - token ids, positions, the slot mapping
+that says where each new token's K/V goes, and per-step attention metadata - with a handful of
+list and tensor operations per sequence (none per token), runs the model once, and computes
+logits only at each sequence's last scheduled position.
+"""
+
+import ctypes
+import platform
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .layers.attention import (
+    Attention,
+    AttentionMetadata,
+    DecodeGroup,
+    FlashMetadata,
+    PrefillChunk,
+    flash_attn_with_kvcache,
+    uses_sdpa_prefill,
+)
+from .layers.tp import tp_rank, tp_size
+from .models import build_model, load_weights
+from .sampler import Sampler
+from .sequence import Sequence
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes
+
+# Decode queries are split into at most this many length buckets of at least this many
+# sequences: a bucket is padded to its own longest context, and each bucket costs one gather
+# and one SDPA call per layer. Measured at batch 64 (SmolLM2 shapes, contexts 64..768): one
+# bucket pads 45k rows for 28k real ones; eight pad 30k and run ~4x faster per layer.
+MAX_DECODE_GROUPS = 8
+MIN_DECODE_GROUP = 8
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,  # for exactness checks of the reduced-precision code paths
+}
+
+
+def cpu_supports_bf16() -> bool:
+    """True when this CPU has native bf16 arithmetic (AVX512-BF16/AMX, or Arm BF16).
+
+    Without it bf16 matmuls are emulated and run slower than float32.
+    """
+    try:
+        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+            return True
+    except AttributeError:  # older torch: fall back to the flags below
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    if platform.machine() in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    resolved = _DTYPE_NAMES.get(str(dtype).lower())
+    if resolved is None:
+        raise ValueError(
+            f"unknown dtype {dtype!r} (choose one of: auto, {', '.join(_DTYPE_NAMES)})"
+        )
+    return resolved
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS.
+
+    Each decode step allocates and frees the same large buffers (logits, sampler temporaries,
+    activations). By default glibc hands blocks over 32 MiB (and the heap's free top) back to
+    the kernel, so the next step page-faults them in again - measured at ~100 ms for a 12 MiB
+    tensor in a VM, against ~5 ms to compute on it. Pinning the thresholds keeps the memory in
+    the heap, as a caching allocator would. Process-wide, Linux/glibc only; returns whether set.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(
+            libc.mallopt(m_mmap_threshold, 1 << 30)
+            and libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+        )
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class StepBatch:
+    """One step's model inputs, in the runner's order (single-token queries first)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor | None  # rows of the hidden states to project; None: all
+    restore: torch.Tensor | None  # permutation back to the caller's order; None: identity
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        block_size: int,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: str | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.config = config
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.device = self._resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        with _default_dtype(self.dtype), self.device:
+            self.model = build_model(config, max_position=max_model_len)
+        load_weights(self.model, weights)
+        self.model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler()
+        # flash-attn's paged kernels need pages of a multiple of 256 tokens and half precision.
+        self.use_flash = (
+            self.device.type == "cuda"
+            and flash_attn_with_kvcache is not None
+            and block_size % 256 == 0
+            and self.dtype in (torch.float16, torch.bfloat16)
+        )
+        self.use_cuda_graph = self.use_flash and not enforce_eager
+        self._offsets = torch.arange(block_size)
+        self._workspace: torch.Tensor | None = None
+        self.num_blocks = self._resolve_num_blocks(
+            num_blocks, kv_cache_memory, gpu_memory_utilization
+        )
+        self.kv_cache = self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.use_cuda_graph:
+            self._capture_cuda_graphs()
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _resolve_device(self, device: str | None) -> torch.device:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            # One GPU per tensor-parallel rank.
+            dev = torch.device("cuda", self.tp_rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return dev
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of KV cache one block takes on this rank (all layers, K and V)."""
+        layer = self.attention_layers[0]
+        per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def _resolve_num_blocks(
+        self, num_blocks: int | None, kv_cache_memory: int | None, gpu_memory_utilization: float
+    ) -> int:
+        if num_blocks is not None:
+            if num_blocks < 1:
+                raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+            return num_blocks
+        if self.device.type == "cuda" and kv_cache_memory is None:  # pragma: no cover - GPU
+            budget = self._gpu_kv_budget(gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+        if budget < self.block_bytes:
+            raise ValueError(
+                f"KV cache memory of {budget} bytes cannot hold a single block "
+                f"({self.block_bytes} bytes for block size {self.block_size})"
+            )
+        # More blocks than every admissible sequence at full length could never be used.
+        ceiling = self.max_num_seqs * _cdiv(self.max_model_len, self.block_size)
+        return min(budget // self.block_bytes, ceiling)
+
+    def _gpu_kv_budget(self, utilization: float) -> int:  # pragma: no cover - GPU
+        """Bytes left for the KV cache after weights and a worst-case prefill's activations."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._warmup()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        # `total - free` covers weights, other processes and the CUDA context alike.
+        return int(total * utilization - (total - free) - activations)
+
+    def _warmup(self) -> None:  # pragma: no cover - GPU
+        """Run the largest prefill a step may hold, before the cache exists, to size activations."""
+        seq_len = min(self.max_model_len, self.max_num_batched_tokens)
+        num_seqs = max(1, min(self.max_num_batched_tokens // seq_len, self.max_num_seqs))
+        seqs = []
+        for _ in range(num_seqs):
+            seq = Sequence([0] * seq_len, block_size=self.block_size)
+            seq.num_scheduled_tokens = seq_len
+            seq.block_table = [0] * seq.num_blocks  # slots unused: no cache to write yet
+            seqs.append(seq)
+        self.run_logits(seqs)
+        torch.cuda.synchronize()
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        layer = self.attention_layers[0]
+        # With CUDA graphs one extra block, never handed out, absorbs the K/V writes of padding
+        # rows in a captured batch.
+        blocks = self.num_blocks + (1 if self.use_cuda_graph else 0)
+        # Left uninitialised (a 1 GiB torch.zeros costs ~1 s of page faults at start-up): no read
+        # ever touches a slot before it is written - decode padding reads a written slot.
+        kv_cache = torch.empty(
+            len(self.attention_layers),
+            2,
+            blocks,
+            self.block_size,
+            layer.num_kv_heads,
+            layer.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache = kv_cache[i, 0]
+            attn.v_cache = kv_cache[i, 1]
+        return kv_cache
+
+    # -- per step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        """Compute each seq's scheduled tokens and sample one token per seq.
+
+        Returns ``[]`` on tensor-parallel ranks other than 0 (only rank 0 samples).
+        """
+        logits = self.run_logits(seqs)
+        return [] if logits is None else self.sampler(logits, seqs)
+
+    @torch.inference_mode()
+    def run_logits(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """float32 logits [len(seqs), vocab] at each seq's last scheduled position."""
+        if not seqs:
+            raise ValueError("run needs at least one sequence")
+        batch = self._prepare(seqs)
+        hidden = self._forward(batch)
+        if batch.logits_rows is not None:
+            hidden = hidden.index_select(0, batch.logits_rows)
+        logits = self.model.compute_logits(hidden)
+        if logits is None:
+            return None
+        logits = logits.float()
+        if batch.restore is not None:
+            logits = logits.index_select(0, batch.restore)
+        return logits
+
+    def forget(self, seq_id: int) -> None:
+        """The request is finished: drop its sampler state."""
+        self.sampler.forget(seq_id)
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        flash = batch.meta.flash
+        if self.graphs and flash is not None and flash.decode_only:
+            if len(batch.input_ids) <= self.graph_sizes[-1]:
+                return self._replay(batch)  # pragma: no cover - GPU
+        return self.model(batch.input_ids, batch.positions, batch.meta)
+
+    def _prepare(self, seqs: list[Sequence]) -> StepBatch:
+        singles = [i for i, s in enumerate(seqs) if s.num_scheduled_tokens == 1]
+        multis = [i for i, s in enumerate(seqs) if s.num_scheduled_tokens != 1]
+        # Longest contexts first, so length buckets are contiguous runs of the batch.
+        singles.sort(key=lambda i: seqs[i].num_cached_tokens, reverse=True)
+        order = singles + multis
+        ordered = [seqs[i] for i in order]
+        num_singles = len(singles)
+        bs = self.block_size
+
+        token_ids: list[int] = []
+        positions: list[int] = []
+        decode_slots: list[int] = []
+        for s in ordered[:num_singles]:
+            pos = s.num_cached_tokens
+            self._check_fits(s, pos + 1)
+            token_ids.append(s.token_ids[pos])
+            positions.append(pos)
+            decode_slots.append(s.block_table[pos // bs] * bs + pos % bs)
+        slot_parts = [torch.tensor(decode_slots, dtype=torch.long)]
+        chunks: list[tuple[Sequence, int, torch.Tensor]] = []  # (seq, first row, context slots)
+        rows = list(range(num_singles))
+        start = num_singles
+        for s in ordered[num_singles:]:
+            cached, n = s.num_cached_tokens, s.num_scheduled_tokens
+            if n < 1:
+                raise ValueError(f"sequence {s.seq_id} has no scheduled tokens")
+            self._check_fits(s, cached + n)
+            token_ids += s.token_ids[cached : cached + n]
+            positions += range(cached, cached + n)
+            ctx_slots = self._context_slots(s.block_table, cached + n)
+            slot_parts.append(ctx_slots[cached:])
+            chunks.append((s, start, ctx_slots))
+            start += n
+            rows.append(start - 1)
+
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts))
+        contexts = [s.num_cached_tokens + s.num_scheduled_tokens for s in ordered]
+        if self.use_flash:  # pragma: no cover - GPU
+            meta.flash = self._flash_metadata(ordered, contexts, num_singles)
+        else:
+            meta.decode_groups = self._decode_groups(ordered[:num_singles], contexts)
+            meta.prefills = [self._prefill_chunk(s, first, ctx) for s, first, ctx in chunks]
+            meta.workspace = self._gather_workspace(meta)
+        batch = StepBatch(
+            input_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            meta=meta,
+            logits_rows=torch.tensor(rows, dtype=torch.long) if multis else None,
+            restore=None,
+        )
+        if order != sorted(order):
+            restore = [0] * len(order)
+            for row, i in enumerate(order):
+                restore[i] = row
+            batch.restore = torch.tensor(restore, dtype=torch.long)
+        return self._to_device(batch)
+
+    def _check_fits(self, seq: Sequence, context_len: int) -> None:
+        if context_len > self.max_model_len:
+            raise ValueError(
+                f"sequence {seq.seq_id} reaches position {context_len - 1}, beyond "
+                f"max_model_len={self.max_model_len}"
+            )
+        if len(seq.block_table) * self.block_size < context_len:
+            raise ValueError(
+                f"sequence {seq.seq_id} needs {_cdiv(context_len, self.block_size)} blocks for "
+                f"{context_len} tokens but its block table has {len(seq.block_table)}"
+            )
+
+    def _context_slots(self, block_table: list[int], length: int) -> torch.Tensor:
+        """Cache slots of positions 0..length-1 of a sequence."""
+        table = torch.tensor(block_table[: _cdiv(length, self.block_size)], dtype=torch.long)
+        return (table.unsqueeze(1) * self.block_size + self._offsets).view(-1)[:length]
+
+    def _decode_groups(self, seqs: list[Sequence], contexts: list[int]) -> list[DecodeGroup]:
+        if not seqs:
+            return []
+        num_groups = min(MAX_DECODE_GROUPS, max(1, len(seqs) // MIN_DECODE_GROUP))
+        bounds = [round(len(seqs) * g / num_groups) for g in range(num_groups + 1)]
+        groups = []
+        for a, b in zip(bounds, bounds[1:]):
+            max_len = contexts[a]  # sorted longest first
+            num_blocks = _cdiv(max_len, self.block_size)
+            table = torch.tensor(
+                [_padded(s.block_table, num_blocks) for s in seqs[a:b]], dtype=torch.long
+            )
+            slots = (table.unsqueeze(2) * self.block_size + self._offsets).view(b - a, -1)
+            lengths = torch.tensor(contexts[a:b])
+            padding = torch.arange(max_len) >= lengths.unsqueeze(1)
+            # Padding is masked out, but must still read finite numbers (0 * NaN is NaN): point
+            # it at the sequence's first slot, which is always written.
+            slots = torch.where(padding, slots[:, :1], slots[:, :max_len])
+            bias = torch.zeros(b - a, max_len, dtype=self.dtype).masked_fill_(
+                padding, float("-inf")
+            )
+            groups.append(
+                DecodeGroup(
+                    start=a, end=b, slots=slots.reshape(-1), bias=bias.view(b - a, 1, 1, max_len)
+                )
+            )
+        return groups
+
+    def _gather_workspace(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The reusable gather buffer, grown to this step's largest gather."""
+        rows = max(
+            [len(g.slots) for g in meta.decode_groups]
+            + [len(c.ctx_slots) for c in meta.prefills if c.ctx_slots is not None],
+            default=0,
+        )
+        if rows == 0:
+            return None
+        if self._workspace is None or self._workspace.shape[1] < rows:
+            layer = self.attention_layers[0]
+            grown = max(rows, 2 * self._workspace.shape[1] if self._workspace is not None else 0)
+            shape = (2, grown, layer.num_kv_heads, layer.head_dim)
+            self._workspace = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self._workspace
+
+    def _prefill_chunk(self, seq: Sequence, first: int, ctx_slots: torch.Tensor) -> PrefillChunk:
+        cached, n = seq.num_cached_tokens, seq.num_scheduled_tokens
+        chunk = PrefillChunk(start=first, end=first + n, num_cached=cached)
+        if cached:
+            chunk.ctx_slots = ctx_slots
+        if cached and uses_sdpa_prefill(self.dtype):
+            # Query i sits at position cached + i and sees keys 0..cached + i.
+            chunk.mask = torch.arange(cached + n).unsqueeze(0) <= (
+                torch.arange(cached, cached + n).unsqueeze(1)
+            )
+        return chunk
+
+    def _flash_metadata(  # pragma: no cover - GPU
+        self, seqs: list[Sequence], contexts: list[int], num_singles: int
+    ) -> FlashMetadata:
+        q_lens = [s.num_scheduled_tokens for s in seqs]
+        width = _cdiv(max(contexts), self.block_size)
+        decode_only = num_singles == len(seqs)
+        tables = None
+        if decode_only or any(c > q for c, q in zip(contexts, q_lens)):
+            tables = torch.tensor([_padded(s.block_table, width) for s in seqs], dtype=torch.int32)
+        if decode_only:
+            return FlashMetadata(
+                decode_only=True,
+                context_lens=torch.tensor(contexts, dtype=torch.int32),
+                block_tables=tables,
+            )
+        return FlashMetadata(
+            decode_only=False,
+            block_tables=tables,
+            cu_seqlens_q=_cumsum0(q_lens),
+            cu_seqlens_k=_cumsum0(contexts),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(contexts),
+        )
+
+    def _to_device(self, batch: StepBatch) -> StepBatch:
+        if self.device.type == "cpu":
+            return batch
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device, non_blocking=True)
+
+        meta = batch.meta
+        meta.slot_mapping = move(meta.slot_mapping)
+        for g in meta.decode_groups:
+            g.slots, g.bias = move(g.slots), move(g.bias)
+        for c in meta.prefills:
+            c.ctx_slots, c.mask = move(c.ctx_slots), move(c.mask)
+        if meta.flash is not None:
+            f = meta.flash
+            f.context_lens, f.block_tables = move(f.context_lens), move(f.block_tables)
+            f.cu_seqlens_q, f.cu_seqlens_k = move(f.cu_seqlens_q), move(f.cu_seqlens_k)
+        batch.input_ids, batch.positions = move(batch.input_ids), move(batch.positions)
+        batch.logits_rows, batch.restore = move(batch.logits_rows), move(batch.restore)
+        return batch
+
+    # -- CUDA graphs (decode) -----------------------------------------------------------------
+
+    def _capture_cuda_graphs(self) -> None:  # pragma: no cover - GPU
+        """Capture the decode forward for a ladder of batch sizes (as nano-vllm does)."""
+        max_bs = min(self.max_num_seqs, 512)
+        width = _cdiv(self.max_model_len, self.block_size)
+        scratch_slot = self.num_blocks * self.block_size
+        dev = self.device
+        self._graph_inputs = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), scratch_slot, dtype=torch.long, device=dev),
+            "context_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, width, dtype=torch.int32, device=dev),
+            "outputs": torch.zeros(max_bs, self.config.hidden_size, dtype=self.dtype, device=dev),
+        }
+        ladder = {1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}
+        self.graph_sizes = sorted(b for b in ladder if b <= max_bs)
+        g = self._graph_inputs
+        pool = None
+        with torch.inference_mode():
+            for b in reversed(self.graph_sizes):
+                meta = self._graph_meta(b)
+                g["outputs"][:b] = self.model(g["input_ids"][:b], g["positions"][:b], meta)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    g["outputs"][:b] = self.model(g["input_ids"][:b], g["positions"][:b], meta)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[b] = graph
+                torch.cuda.synchronize()
+
+    def _graph_meta(self, b: int) -> AttentionMetadata:  # pragma: no cover - GPU
+        g = self._graph_inputs
+        return AttentionMetadata(
+            slot_mapping=g["slot_mapping"][:b],
+            flash=FlashMetadata(
+                decode_only=True,
+                context_lens=g["context_lens"][:b],
+                block_tables=g["block_tables"][:b],
+            ),
+        )
+
+    def _replay(self, batch: StepBatch) -> torch.Tensor:  # pragma: no cover - GPU
+        n = len(batch.input_ids)
+        b = next(size for size in self.graph_sizes if size >= n)
+        g = self._graph_inputs
+        flash = batch.meta.flash
+        g["input_ids"][:n] = batch.input_ids
+        g["positions"][:n] = batch.positions
+        g["slot_mapping"].fill_(self.num_blocks * self.block_size)
+        g["slot_mapping"][:n] = batch.meta.slot_mapping
+        g["context_lens"].zero_()
+        g["context_lens"][:n] = flash.context_lens
+        if flash.block_tables is not None:
+            g["block_tables"][:n, : flash.block_tables.shape[1]] = flash.block_tables
+        self.graphs[b].replay()
+        return g["outputs"][:n]
+
+
+def _padded(table: list[int], width: int) -> list[int]:
+    row = table[:width]
+    return row + [0] * (width - len(row))
+
+
+def _cumsum0(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)

@@ -1,0 +1,93 @@
+"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+
+A row is sampled by inverse transform: one uniform number, located in the row's cumulative
+distribution. That is one random draw per sampled token instead of one per vocabulary entry
+(the exponential-race trick measured ~10x slower on a CPU for a 49k vocabulary: 100 vs 10 ms
+at batch 64). Rows without a
+seed draw together from torch's global generator; a seeded request owns a ``torch.Generator``
+(kept here by ``seq_id`` until ``forget``), so its tokens do not depend on which other requests
+share its batches.
+"""
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from .sequence import Sequence
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished request's generator."""
+        self._generators.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+        """One token per row of ``logits`` [len(seqs), vocab], following each seq's parameters."""
+        rows = [i for i, s in enumerate(seqs) if s.temperature > 0 and s.top_k != 1]
+        if not rows:
+            return logits.argmax(-1).tolist()
+        if len(rows) == len(seqs):
+            return self._sample(logits.float(), list(seqs)).tolist()
+        tokens = logits.argmax(-1)
+        index = torch.tensor(rows, device=logits.device)
+        sampled = self._sample(logits.index_select(0, index).float(), [seqs[i] for i in rows])
+        return tokens.index_copy_(0, index, sampled).tolist()
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temperatures = torch.tensor([s.temperature for s in seqs], device=logits.device)
+        logits = filter_top_k_top_p(
+            logits / temperatures.unsqueeze(1),
+            [s.top_k for s in seqs],
+            [s.top_p for s in seqs],
+        )
+        cdf = torch.softmax(logits, dim=-1).cumsum_(-1)
+        u = torch.rand(len(seqs), 1, device=cdf.device)
+        for row, seq in enumerate(seqs):
+            if seq.seed is not None:
+                u[row] = torch.rand(
+                    1, generator=self._generator(seq, cdf.device), device=cdf.device
+                )
+        # First index whose cumulative mass exceeds u * total; filtered tokens (probability 0)
+        # add no mass, so they can never be the first to exceed it. Keeping u clearly below 1
+        # stops rounding from pushing u * total up to the total, past the last valid token.
+        u.clamp_(max=1.0 - 1e-6)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+        return picked.squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+
+    def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seq.seed)
+            self._generators[seq.seq_id] = gen
+        return gen
+
+
+def filter_top_k_top_p(
+    logits: torch.Tensor, top_ks: list[int], top_ps: list[float]
+) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k (0 = off) and top-p nucleus (1 = off)."""
+    vocab = logits.shape[-1]
+    use_k = any(0 < k < vocab for k in top_ks)
+    use_p = any(p < 1.0 for p in top_ps)
+    if not (use_k or use_p):
+        return logits
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    if not use_p:
+        # top-k alone needs only the k-th largest value per row, not a full sort.
+        top = logits.topk(int(ks.max()), dim=-1).values
+        threshold = top.gather(-1, (ks - 1).unsqueeze(1))
+        return logits.masked_fill(logits < threshold, float("-inf"))
+    ordered, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    ordered = ordered.masked_fill(rank >= ks.unsqueeze(1), float("-inf"))
+    probs = ordered.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    ps = torch.tensor(top_ps, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    # A token is outside the nucleus when the tokens ranked above it already reach top_p;
+    # the top token never is.
+    ordered = ordered.masked_fill(mass_before > ps, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, ordered)

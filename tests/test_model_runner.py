@@ -1,0 +1,494 @@
+"""ModelRunner against Hugging Face transformers on tiny random Llama, Qwen2 and Qwen3 models.
+
+A small driver below plays the scheduler's part (hands out blocks, advances sequences), so these
+tests exercise the runner alone: paged K/V writes and reads, prefix-cache hits, chunked prefill,
+mixed prefill/decode batches, preemption by recompute, and block sizes 1, 16 and 256.
+"""
+
+import json
+import socket
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import make_tiny_model
+
+from nanokv_cli.engine.config import ModelConfig
+from nanokv_cli.engine.model_runner import (
+    MIN_DECODE_GROUP,
+    ModelRunner,
+    cpu_supports_bf16,
+    resolve_dtype,
+)
+from nanokv_cli.engine.sampling_params import SamplingParams
+from nanokv_cli.engine.sequence import Sequence
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Short, so the 20..100-token prompts below cross every band of the scaling.
+    "original_max_position_embeddings": 64,
+}
+# name -> (architecture, config overrides)
+VARIANTS = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+}
+ATOL = 1e-4
+
+
+@cache
+def tiny(name: str, root: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    arch, overrides = VARIANTS[name]
+    return read_model(make_tiny_model(arch, Path(root) / name, **overrides))
+
+
+def read_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights |= load_file(str(file))
+    return config, weights, folder
+
+
+@cache
+def hf_model(folder: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models gain nothing from threads, and on a busy shared machine every parallel op
+    # waits for a descheduled worker thread: one thread keeps these tests fast and steady.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("tiny"))
+    return lambda name: tiny(name, root)
+
+
+def hf_logits(folder: Path, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits at every position of ``ids``."""
+    with torch.no_grad():
+        return hf_model(folder)(torch.tensor([ids])).logits[0]
+
+
+def hf_greedy(folder: Path, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf_logits(folder, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def prompt_of(length: int, salt: int = 0) -> list[int]:
+    return [(i * 37 + salt * 11) % 290 + 3 for i in range(length)]
+
+
+def make_runner(config, weights, *, block_size=16, num_blocks=256, dtype="float32", **kw):
+    return ModelRunner(
+        config,
+        weights,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        dtype=dtype,
+        device="cpu",
+        max_model_len=512,
+        **kw,
+    )
+
+
+class Driver:
+    """A stand-in for the scheduler and block manager: FIFO free list, no prefix hashing."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.bs = runner.block_size
+        self.free = list(range(runner.num_blocks))
+        self.step_kinds: list[set[str]] = []
+
+    def new(self, prompt: list[int]) -> Sequence:
+        return Sequence(prompt, SamplingParams(temperature=0.0), block_size=self.bs)
+
+    def step(self, plan: list[tuple[Sequence, int]]) -> list[int]:
+        """Compute ``n`` more tokens of each seq; append the sampled token where a seq is done."""
+        for seq, n in plan:
+            seq.num_scheduled_tokens = n
+            while len(seq.block_table) * self.bs < seq.num_cached_tokens + n:
+                seq.block_table.append(self.free.pop(0))
+        self.step_kinds.append({"decode" if n == 1 else "prefill" for _, n in plan})
+        tokens = self.run([seq for seq, _ in plan])
+        for (seq, n), token in zip(plan, tokens):
+            seq.num_cached_tokens += n
+            if seq.num_cached_tokens == seq.num_tokens:  # an unfinished chunk's token is dropped
+                seq.append_token(token)
+        return tokens
+
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        return self.runner.run(seqs)
+
+    def release(self, seq: Sequence) -> None:
+        self.free = seq.block_table + self.free  # reused first: later writes overwrite them
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new: int,
+        chunk: int | None = None,
+        arrivals: list[int] | None = None,
+    ) -> list[list[int]]:
+        """Continuous batching: seq i joins at step arrivals[i]; prompts go in chunks of `chunk`."""
+        seqs = [self.new(p) for p in prompts]
+        arrivals = arrivals or [0] * len(seqs)
+        step = 0
+        while any(s.num_completion_tokens < max_new for s in seqs):
+            plan = []
+            for seq, arrival in zip(seqs, arrivals):
+                if arrival <= step and seq.num_completion_tokens < max_new:
+                    todo = seq.num_tokens - seq.num_cached_tokens
+                    plan.append((seq, min(todo, chunk or todo)))
+            if plan:
+                self.step(plan)
+            step += 1
+        return [s.completion_token_ids for s in seqs]
+
+
+# -- parity with transformers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_prefill_logits_match_transformers(models, name):
+    config, weights, folder = models(name)
+    runner = make_runner(config, weights)
+    prompt = prompt_of(100)
+    seq = Driver(runner).new(prompt)
+    seq.block_table = list(range(7))
+    seq.num_scheduled_tokens = len(prompt)
+    logits = runner.run_logits([seq])
+    assert logits.dtype == torch.float32 and logits.shape == (1, config.vocab_size)
+    torch.testing.assert_close(logits[0], hf_logits(folder, prompt)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_greedy_decode_matches_transformers(models, name, block_size):
+    config, weights, folder = models(name)
+    runner = make_runner(config, weights, block_size=block_size, num_blocks=4096 // block_size)
+    prompt = prompt_of(23, salt=block_size)
+    assert Driver(runner).generate([prompt], 20) == [hf_greedy(folder, prompt, 20)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_chunked_prefill_logits_at_every_chunk_end(models, name):
+    config, weights, folder = models(name)
+    runner = make_runner(config, weights, block_size=16)
+    prompt = prompt_of(50, salt=3)
+    reference = hf_logits(folder, prompt)
+    driver = Driver(runner)
+    seq = driver.new(prompt)
+    for end in (7, 14, 33, 50):  # chunk ends inside and across block boundaries
+        seq.num_scheduled_tokens = end - seq.num_cached_tokens
+        while len(seq.block_table) * 16 < end:
+            seq.block_table.append(driver.free.pop(0))
+        logits = runner.run_logits([seq])
+        torch.testing.assert_close(logits[0], reference[end - 1], atol=ATOL, rtol=0)
+        seq.num_cached_tokens = end
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_mixed_batches_with_chunked_prefill_match_transformers(models, name):
+    config, weights, folder = models(name)
+    runner = make_runner(config, weights, block_size=16)
+    prompts = [prompt_of(41, 1), prompt_of(9, 2), prompt_of(30, 3), prompt_of(1, 4)]
+    runner.kv_cache.fill_(float("nan"))  # unwritten cache memory must never be read
+    driver = Driver(runner)
+    outputs = driver.generate(prompts, 12, chunk=8, arrivals=[0, 2, 3, 5])
+    assert outputs == [hf_greedy(folder, p, 12) for p in prompts]
+    assert any(kinds == {"prefill", "decode"} for kinds in driver.step_kinds)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_prefix_cache_hit_reads_blocks_written_by_another_sequence(models, name):
+    config, weights, folder = models(name)
+    runner = make_runner(config, weights, block_size=16)
+    driver = Driver(runner)
+    shared = prompt_of(32, salt=5)  # two full blocks
+    first = driver.new(shared + prompt_of(9, salt=6))
+    driver.step([(first, first.num_tokens)])
+
+    prompt = shared + prompt_of(7, salt=7)
+    second = driver.new(prompt)
+    second.block_table = first.block_table[:2]  # the hit: same physical blocks
+    second.num_cached_tokens = 32
+    tokens = [driver.step([(second, 7)])[0]]
+    for _ in range(9):
+        tokens.append(driver.step([(second, 1)])[0])
+    assert tokens == hf_greedy(folder, prompt, 10)
+
+    # The blocks really are read: with their contents gone the answer changes.
+    third = driver.new(prompt)
+    third.block_table = first.block_table[:2]
+    third.num_cached_tokens = 32
+    third.num_scheduled_tokens = 7
+    third.block_table.append(driver.free.pop(0))
+    runner.kv_cache[:, :, first.block_table[:2]] = 0
+    stale = runner.run_logits([third])[0]
+    assert not torch.allclose(stale, hf_logits(folder, prompt)[-1], atol=ATOL)
+
+
+def test_recompute_after_preemption_matches_transformers(models):
+    config, weights, folder = models("llama")
+    runner = make_runner(config, weights, block_size=4, num_blocks=64)
+    driver = Driver(runner)
+    prompt = prompt_of(13, salt=8)
+    seq = driver.new(prompt)
+    driver.step([(seq, seq.num_tokens)])
+    for _ in range(7):
+        driver.step([(seq, 1)])
+    driver.release(seq)  # preempted: its blocks go to another request, which overwrites them
+    other = driver.new(prompt_of(40, salt=9))
+    driver.step([(other, other.num_tokens)])
+    # Re-admitted: prompt and generated tokens recomputed (in two chunks), then decoding resumes.
+    driver.step([(seq, 10)])
+    driver.step([(seq, seq.num_tokens - 10), (other, 1)])
+    while seq.num_completion_tokens < 20:
+        driver.step([(seq, 1)])
+    assert seq.completion_token_ids == hf_greedy(folder, prompt, 20)
+
+
+def test_large_decode_batch_in_length_buckets_matches_transformers(models):
+    config, weights, folder = models("qwen2")
+    runner = make_runner(config, weights, block_size=16, num_blocks=512)
+    # Enough sequences for several decode buckets, with very different context lengths.
+    prompts = [prompt_of(3 + (i * 17) % 70, salt=i) for i in range(3 * MIN_DECODE_GROUP)]
+    runner.kv_cache.fill_(float("nan"))  # padding must not read unwritten slots either
+    outputs = Driver(runner).generate(prompts, 3)
+    assert outputs == [hf_greedy(folder, p, 3) for p in prompts]
+
+
+# -- precision ----------------------------------------------------------------------------------
+
+
+def test_bfloat16_runs_and_agrees_with_float32(models):
+    config, weights, _ = models("llama")
+    prompt = prompt_of(30, salt=10)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = make_runner(config, weights, dtype=dtype)
+        assert runner.kv_cache.dtype == runner.dtype == resolve_dtype(dtype, runner.device)
+        driver = Driver(runner)
+        seq = driver.new(prompt)
+        seq.block_table, seq.num_scheduled_tokens = [0, 1], len(prompt)
+        logits = runner.run_logits([seq])[0]
+        results[dtype] = (logits, Driver(runner).generate([prompt], 4)[0])
+    torch.testing.assert_close(results["bfloat16"][0], results["float32"][0], atol=2e-2, rtol=0)
+    assert results["bfloat16"][1] == results["float32"][1]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_sdpa_prefill_path_matches_transformers(models, name):
+    """Reduced precision prefills through SDPA with an offset causal mask; float64 takes the same
+    path, so it can be checked exactly: chunks, a cached prefix and mixed batches."""
+    config, weights, folder = models(name)
+    runner = make_runner(config, weights, dtype="float64")
+    prompts = [prompt_of(45, 13), prompt_of(20, 14)]
+    outputs = Driver(runner).generate(prompts, 8, chunk=16, arrivals=[0, 1])
+    assert outputs == [hf_greedy(folder, p, 8) for p in prompts]
+    seq = Driver(runner).new(prompts[0])
+    seq.block_table, seq.num_scheduled_tokens = [0, 1, 2], 30
+    runner.run_logits([seq])
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 30, 15
+    logits = runner.run_logits([seq])[0].float()
+    torch.testing.assert_close(logits, hf_logits(folder, prompts[0])[-1], atol=ATOL, rtol=0)
+
+
+def test_dtype_resolution():
+    cpu = torch.device("cpu")
+    expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    assert resolve_dtype(None, cpu) == expected
+    assert resolve_dtype("fp32", cpu) == torch.float32
+    assert resolve_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int7", cpu)
+
+
+# -- cache layout and sizing --------------------------------------------------------------------
+
+
+def test_kv_cache_layout_and_writes_go_through_the_block_table(models):
+    config, weights, _ = models("qwen3")
+    runner = make_runner(config, weights, block_size=8, num_blocks=10)
+    assert runner.kv_cache.shape == (
+        config.num_hidden_layers,
+        2,
+        10,
+        8,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    runner.kv_cache.fill_(float("nan"))
+    seq = Driver(runner).new(prompt_of(12))
+    seq.block_table = [7, 3]
+    seq.num_scheduled_tokens = 12
+    runner.run([seq])
+    written = runner.kv_cache.isfinite().all(dim=5).all(dim=4).all(dim=1).all(dim=0)
+    expected = torch.zeros(10, 8, dtype=torch.bool)
+    expected[7, :] = True
+    expected[3, :4] = True  # 12 tokens: one full block and half of the next
+    assert torch.equal(written, expected)
+
+
+def test_cpu_cache_size_from_memory_budget(models):
+    config, weights, _ = models("llama")
+    runner = make_runner(config, weights, num_blocks=None, kv_cache_memory=1 << 20)
+    layers, kv_heads, head_dim = (
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    block_bytes = 2 * layers * 16 * kv_heads * head_dim * 4
+    assert runner.block_bytes == block_bytes
+    assert runner.num_blocks == (1 << 20) // block_bytes
+    assert runner.kv_cache.numel() * 4 <= 1 << 20
+    # Never more than max_num_seqs sequences of max_model_len tokens could use.
+    capped = make_runner(config, weights, num_blocks=None, max_num_seqs=2)
+    assert capped.num_blocks == 2 * 512 // 16
+    with pytest.raises(ValueError, match="cannot hold a single block"):
+        make_runner(config, weights, num_blocks=None, kv_cache_memory=block_bytes - 1)
+
+
+# -- clear errors -------------------------------------------------------------------------------
+
+
+def test_missing_weight_is_named(models):
+    config, weights, _ = models("qwen2")
+    incomplete = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    with pytest.raises(
+        ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.bias'"
+    ):
+        make_runner(config, incomplete)
+
+
+def test_wrong_shape_is_named(models):
+    config, weights, _ = models("llama")
+    bad = dict(weights)
+    bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"][:-1]
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*shape"):
+        make_runner(config, bad)
+
+
+def test_untied_model_needs_its_lm_head(models):
+    config, weights, _ = models("llama")
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        make_runner(config, {k: v for k, v in weights.items() if k != "lm_head.weight"})
+
+
+def test_tied_model_ignores_a_stored_lm_head(models):
+    config, weights, folder = models("llama-tied")
+    extra = dict(
+        weights, **{"lm_head.weight": torch.zeros_like(weights["model.embed_tokens.weight"])}
+    )
+    runner = make_runner(config, extra)
+    assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
+    prompt = prompt_of(5)
+    assert Driver(runner).generate([prompt], 3) == [hf_greedy(folder, prompt, 3)]
+
+
+def test_position_beyond_max_model_len_is_rejected(models):
+    config, weights, _ = models("llama")
+    runner = make_runner(config, weights)
+    seq = Driver(runner).new(prompt_of(513))
+    seq.block_table = list(range(33))
+    seq.num_scheduled_tokens = 513
+    with pytest.raises(ValueError, match="max_model_len"):
+        runner.run([seq])
+
+
+def test_unknown_rope_scaling_is_rejected(models):
+    config, weights, _ = models("llama")
+    config = ModelConfig(
+        **{**config.__dict__, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
+    )
+    with pytest.raises(ValueError, match="yarn"):
+        make_runner(config, weights)
+
+
+# -- tensor parallelism (gloo, two processes) ---------------------------------------------------
+
+
+class RankDriver(Driver):
+    """Every rank runs the model; rank 0 samples and shares the tokens (as the engine will)."""
+
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        import torch.distributed as dist
+
+        box = [self.runner.run(seqs)]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _tp_worker(rank: int, world: int, port: int, folders: list[Path], out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        results = []
+        for folder in folders:
+            config, weights, _ = read_model(folder)
+            runner = make_runner(config, weights, block_size=16)
+            assert runner.kv_cache.shape[4] == config.num_key_value_heads // world
+            results.append(tp_probe(runner, RankDriver))
+        if rank == 0:
+            torch.save(results, out)
+        else:
+            assert all(logits is None for logits, _ in results)
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_probe(runner: ModelRunner, driver: type[Driver]) -> tuple[torch.Tensor | None, list]:
+    """Prefill logits of one prompt, and greedy outputs of a two-sequence batch."""
+    seq = driver(runner).new(prompt_of(20, salt=11))
+    seq.block_table, seq.num_scheduled_tokens = [0, 1], 20
+    logits = runner.run_logits([seq])
+    outputs = driver(runner).generate([prompt_of(20, salt=11), prompt_of(7, salt=12)], 6)
+    return logits, outputs
+
+
+def test_tensor_parallel_two_ranks_match_one(models, tmp_path):
+    """Sharded heads (with Qwen2's q/k/v bias, Qwen3's q/k norm), MLP and tied vocabulary."""
+    import torch.multiprocessing as mp
+
+    names = ["qwen2", "qwen3", "llama-tied"]
+    folders = [models(name)[2] for name in names]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_tp_worker, args=(2, port, folders, out), nprocs=2, join=True)
+    sharded = torch.load(out)
+    for name, (logits, outputs) in zip(names, sharded):
+        config, weights, _ = models(name)
+        expected_logits, expected_outputs = tp_probe(
+            make_runner(config, weights, block_size=16), Driver
+        )
+        torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0)
+        assert outputs == expected_outputs, name
