@@ -96,6 +96,7 @@ def test_text_prompts_and_per_request_params(root):
     assert [len(o["token_ids"]) for o in outs] == [3, 5]
     again = llm.generate(["the cache"], params[1])
     assert again[0]["token_ids"] == outs[1]["token_ids"]  # the seed reproduces
+    assert not llm.model_runner.sampler._generators  # finished requests' generators are dropped
     assert isinstance(outs[0]["text"], str)
 
 

@@ -68,6 +68,8 @@ class LLMEngine:
             start = time.perf_counter()
             clock = lambda: time.perf_counter() - start  # noqa: E731
         self._clock = clock
+        # Executors that keep per-request state (a seeded sampler's generator) drop it here.
+        self._forget = getattr(executor, "forget", None) or (lambda seq_id: None)
         self.num_steps = 0
         self._outputs: dict[int, RequestOutput] = {}
 
@@ -109,6 +111,7 @@ class LLMEngine:
     def abort_request(self, seq_id: int) -> None:
         if self.scheduler.abort(seq_id):
             self._outputs.pop(seq_id, None)
+            self._forget(seq_id)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -141,6 +144,7 @@ class LLMEngine:
                 out.finish_reason = seq.finish_reason
                 out.finish_time = now
                 del pending[seq.seq_id]
+                self._forget(seq.seq_id)
             outputs.append(out)
         return outputs
 
