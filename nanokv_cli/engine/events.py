@@ -11,7 +11,7 @@ block's hash was registered) and ``BlockRemoved`` (a hash left the prefix cache:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -184,37 +184,62 @@ class CacheState:
         self.finished: set[int] = set()
 
     def apply(self, event: Event) -> None:
-        t = type(event)
-        if t is BlockAllocated:
-            self.ref_count[event.block_id] = 1
-            self.block_hash[event.block_id] = -1
-            self.block_tokens.pop(event.block_id, None)
-            self.block_tables.setdefault(event.seq_id, []).append(event.block_id)
-        elif t is BlockHit:
-            self.ref_count[event.block_id] += 1
-            self.block_tables.setdefault(event.seq_id, []).append(event.block_id)
-        elif t is BlockStored:
-            self.block_hash[event.block_id] = event.block_hash
-            self.block_tokens[event.block_id] = list(event.token_ids)
-        elif t is BlockRemoved:
-            self.block_hash[event.block_id] = -1
-            self.block_tokens.pop(event.block_id, None)
-        elif t is BlockFreed:
-            self.ref_count[event.block_id] = event.ref_count
-            table = self.block_tables.get(event.seq_id)
-            if table:
-                table.remove(event.block_id)
-                if not table:
-                    del self.block_tables[event.seq_id]
-        elif t is AllBlocksCleared:
-            self.block_hash = [-1] * self.num_blocks
-            self.block_tokens.clear()
-        elif t is SequenceAdded:
-            self.prompts[event.seq_id] = list(event.prompt_token_ids)
-        elif t is SequenceFinished:
-            self.finished.add(event.seq_id)
-        elif t is StepSnapshot:
-            self.last_snapshot = event
+        self.apply_all((event,))
+
+    def apply_all(self, events: Iterable[Event]) -> list[Event]:
+        """Apply events in order; return those that are not block allocations, frees, stores
+        or removals (hits, sequence and step events), for callers that track more.
+
+        One loop with the per-block events first: a live view applies every event of a dry
+        run, where they arrive a few hundred thousand a second."""
+        ref_count, block_hash = self.ref_count, self.block_hash
+        tokens, tables = self.block_tokens, self.block_tables
+        others: list[Event] = []
+        for event in events:
+            t = type(event)
+            if t is BlockFreed:
+                b = event.block_id
+                ref_count[b] = event.ref_count
+                table = tables.get(event.seq_id)
+                if table:
+                    # deallocate() frees a table from its end: pop is O(1) where remove is O(n).
+                    if table[-1] == b:
+                        table.pop()
+                    else:
+                        table.remove(b)
+                    if not table:
+                        del tables[event.seq_id]
+            elif t is BlockAllocated:
+                b = event.block_id
+                ref_count[b] = 1
+                block_hash[b] = -1
+                tokens.pop(b, None)
+                table = tables.get(event.seq_id)
+                if table is None:
+                    tables[event.seq_id] = [b]
+                else:
+                    table.append(b)
+            elif t is BlockStored:
+                block_hash[event.block_id] = event.block_hash
+                tokens[event.block_id] = event.token_ids  # never mutated by the engine: no copy
+            elif t is BlockRemoved:
+                block_hash[event.block_id] = -1
+                tokens.pop(event.block_id, None)
+            else:
+                others.append(event)
+                if t is BlockHit:
+                    ref_count[event.block_id] += 1
+                    tables.setdefault(event.seq_id, []).append(event.block_id)
+                elif t is StepSnapshot:
+                    self.last_snapshot = event
+                elif t is SequenceAdded:
+                    self.prompts[event.seq_id] = event.prompt_token_ids
+                elif t is SequenceFinished:
+                    self.finished.add(event.seq_id)
+                elif t is AllBlocksCleared:
+                    block_hash[:] = [-1] * self.num_blocks
+                    tokens.clear()
+        return others
 
     def state(self, block_id: int) -> str:
         """``free`` (clean), ``cached`` (free, hash kept), ``used`` (one owner) or ``shared``."""

@@ -1,0 +1,328 @@
+"""Prompt files: plain text, JSONL, ShareGPT JSON and Mooncake request traces.
+
+Every reader yields ``PromptRequest`` objects and reports a bad input as ``PromptFileError``
+naming the file and the line (or array entry) at fault, so the CLI can print one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from .engine.sampling_params import SamplingParams
+
+FORMATS = ("auto", "text", "jsonl", "sharegpt", "mooncake")
+SAMPLING_FIELDS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "ignore_eos")
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+SHAREGPT_ROLES |= {"system": "system", "chatgpt": "assistant", "bard": "assistant"}
+
+
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read; the message names the file and the line."""
+
+
+@dataclass
+class PromptRequest:
+    """One request of a prompt file. Exactly one of ``prompt``, ``messages``,
+    ``prompt_token_ids`` or ``token_source`` says what to feed the model."""
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_source: Callable[[], list[int]] | None = None  # lazy synthesis (Mooncake)
+    sampling: dict[str, Any] = field(default_factory=dict)  # per-request overrides
+    timestamp: float | None = None  # arrival, seconds from the start of the trace
+    num_prompt_tokens: int | None = None  # known up front for traces
+    line: int = 0
+
+    def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        fields = {name: getattr(defaults, name) for name in SAMPLING_FIELDS}
+        fields.update(self.sampling)
+        return SamplingParams(**fields)
+
+
+@dataclass
+class PromptFile:
+    path: Path
+    format: str
+    requests: list[PromptRequest]
+
+    @property
+    def has_timestamps(self) -> bool:
+        return any(r.timestamp is not None for r in self.requests)
+
+
+def read_prompts(path: str | Path, fmt: str = "auto", limit: int | None = None) -> PromptFile:
+    """Read up to ``limit`` requests from ``path`` in format ``fmt`` (``auto`` sniffs it)."""
+    path = Path(path)
+    if fmt not in FORMATS:
+        raise PromptFileError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    if not path.exists():
+        raise PromptFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise PromptFileError(f"{path}: is a directory, not a prompt file")
+    if fmt == "auto":
+        fmt = detect_format(path)
+    readers = {
+        "text": read_text,
+        "jsonl": read_jsonl,
+        "sharegpt": read_sharegpt,
+        "mooncake": read_mooncake_trace,
+    }
+    requests = list(islice(readers[fmt](path), limit))
+    if not requests:
+        raise PromptFileError(f"{path}: no prompts found")
+    return PromptFile(path, fmt, requests)
+
+
+def detect_format(path: Path) -> str:
+    """Tell the format from the file's first non-blank line (and its suffix for JSON arrays)."""
+    first = _first_line(path)
+    if first is None:
+        raise PromptFileError(f"{path}: the file is empty")
+    if first.startswith("["):
+        return "sharegpt"
+    if first.startswith("{"):
+        try:
+            obj = json.loads(first)
+        except json.JSONDecodeError:
+            if path.suffix == ".json":
+                return "sharegpt"  # a pretty-printed array or object; its reader says which
+            raise PromptFileError(f"{path} line 1: not valid JSON") from None
+        if isinstance(obj, dict) and all(k in obj for k in ("input_length", "hash_ids")):
+            return "mooncake"
+        if isinstance(obj, dict) and any(k in obj for k in PROMPT_KEYS):
+            return "jsonl"
+        raise PromptFileError(
+            f"{path}: unknown format: line 1 is a JSON object without any of the keys "
+            f"{', '.join(PROMPT_KEYS)} (JSONL) or {', '.join(MOONCAKE_KEYS)} (Mooncake trace)"
+        )
+    if path.suffix in (".json", ".jsonl"):
+        raise PromptFileError(f"{path} line 1: not valid JSON")
+    return "text"
+
+
+def _first_line(path: Path) -> str | None:
+    with _open_text(path) as f:
+        try:
+            for line in f:
+                if line.strip():
+                    return line.strip()
+        except UnicodeDecodeError:
+            raise PromptFileError(
+                f"{path}: unknown format: not UTF-8 text (expected plain text, JSONL, "
+                "ShareGPT JSON or a Mooncake trace)"
+            ) from None
+    return None
+
+
+def _open_text(path: Path):
+    try:
+        return path.open(encoding="utf-8")
+    except OSError as e:
+        raise PromptFileError(f"{path}: {e.strerror}") from None
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Non-blank lines with their 1-based numbers."""
+    n = 0
+    with _open_text(path) as f:
+        try:
+            for line in f:
+                n += 1
+                if line.strip():
+                    yield n, line
+        except UnicodeDecodeError:
+            raise PromptFileError(f"{path} line {n + 1}: not UTF-8 text") from None
+
+
+def read_text(path: Path) -> Iterator[PromptRequest]:
+    """One prompt per non-blank line; the line's trailing newline is not part of it."""
+    for n, line in _lines(path):
+        yield PromptRequest(prompt=line.rstrip("\r\n"), line=n)
+
+
+def read_jsonl(path: Path) -> Iterator[PromptRequest]:
+    for n, line in _lines(path):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptFileError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+        yield parse_record(obj, f"{path} line {n}", n)
+
+
+def parse_record(obj: Any, where: str, line: int = 0) -> PromptRequest:
+    """A ``{"prompt" | "messages" | "prompt_token_ids", sampling fields...}`` object."""
+    if not isinstance(obj, dict):
+        raise PromptFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    given = [k for k in PROMPT_KEYS if k in obj]
+    if len(given) != 1:
+        raise PromptFileError(f"{where}: expected exactly one of {', '.join(PROMPT_KEYS)}")
+    req = PromptRequest(line=line, sampling=_sampling_fields(obj, where))
+    key = given[0]
+    value = obj[key]
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise PromptFileError(f"{where}: 'prompt' must be a string")
+        req.prompt = value
+    elif key == "messages":
+        req.messages = _messages(value, where)
+    else:
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        ):
+            raise PromptFileError(f"{where}: 'prompt_token_ids' must be a list of token ids >= 0")
+        req.prompt_token_ids = value
+    if "timestamp" in obj:
+        req.timestamp = _timestamp(obj["timestamp"], where, scale=1.0)
+    return req
+
+
+def _sampling_fields(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    fields = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+    if "ignore_eos" in fields and not isinstance(fields["ignore_eos"], bool):
+        raise PromptFileError(f"{where}: 'ignore_eos' must be true or false")
+    if "seed" in fields and not (fields["seed"] is None or _is_int(fields["seed"])):
+        raise PromptFileError(f"{where}: 'seed' must be an integer")
+    for name in ("temperature", "top_p"):
+        if name in fields and (
+            isinstance(fields[name], bool) or not isinstance(fields[name], int | float)
+        ):
+            raise PromptFileError(f"{where}: {name!r} must be a number")
+    try:
+        SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise PromptFileError(f"{where}: {e}") from None
+    return fields
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    ok = isinstance(value, list) and value
+    ok = ok and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        raise PromptFileError(
+            f'{where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}'
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _timestamp(value: Any, where: str, scale: float) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        raise PromptFileError(f"{where}: 'timestamp' must be a number >= 0")
+    return value * scale
+
+
+def read_sharegpt(path: Path) -> Iterator[PromptRequest]:
+    """A JSON array of conversations; each becomes the chat up to its first assistant reply.
+
+    A JSON array of JSONL-style records (``{"prompt": ...}``) is accepted too.
+    """
+    try:
+        with _open_text(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise PromptFileError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise PromptFileError(f"{path}: not UTF-8 text") from None
+    if not isinstance(data, list):
+        raise PromptFileError(
+            f"{path}: unknown format: a JSON file must hold an array of ShareGPT conversations"
+        )
+    for i, entry in enumerate(data, 1):
+        where = f"{path} entry {i}"
+        if isinstance(entry, dict) and any(k in entry for k in PROMPT_KEYS):
+            yield parse_record(entry, where, i)
+            continue
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list):
+            raise PromptFileError(f"{where}: expected an object with a 'conversations' list")
+        messages = _sharegpt_prompt(turns, where)
+        if messages:  # conversations without a user turn have nothing to replay
+            yield PromptRequest(messages=messages, line=i)
+
+
+def _sharegpt_prompt(turns: list[Any], where: str) -> list[dict[str, str]]:
+    messages: list[dict[str, str]] = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise PromptFileError(f"{where}: each turn needs 'from' and a string 'value'")
+        role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
+        if role is None:
+            raise PromptFileError(f"{where}: unknown speaker {turn.get('from')!r}")
+        if role == "assistant":
+            break
+        messages.append({"role": role, "content": turn["value"]})
+    return messages if any(m["role"] == "user" for m in messages) else []
+
+
+def read_mooncake_trace(path: Path) -> Iterator[PromptRequest]:
+    """Mooncake requests: synthesized prompts, ``output_length`` tokens each (EOS ignored)."""
+    from .engine.mooncake import MalformedTraceError, read_mooncake
+
+    try:
+        for req in read_mooncake(path):
+            yield PromptRequest(
+                token_source=req.prompt_token_ids,
+                sampling={"max_tokens": max(1, req.output_length), "ignore_eos": True},
+                timestamp=req.timestamp,
+                num_prompt_tokens=req.input_length,
+                line=req.line,
+            )
+    except MalformedTraceError as e:
+        raise PromptFileError(f"{path} {e}") from None
+    except UnicodeDecodeError:
+        raise PromptFileError(f"{path}: not UTF-8 text") from None
+
+
+def map_prompt_blocks(token_lists: list[list[int]], block_size: int) -> dict[str, Any]:
+    """How prompts would land on KV blocks, and which full blocks they share.
+
+    Blocks are named by chained hash (as the engine's prefix cache does), so two prompts
+    share a block only when everything up to and including it is equal. ``hit`` marks blocks a
+    cache that never evicts would serve, prompts taken in file order.
+    """
+    from .report import InfiniteCache
+
+    cache = InfiniteCache(block_size)
+    first_seen: dict[int, int] = {}
+    users: dict[int, set[int]] = {}
+    prompts = []
+    for p, tokens in enumerate(token_lists):
+        blocks: list[dict[str, Any]] = []
+        for h, hit in cache.add(tokens):
+            first_seen.setdefault(h, p)
+            users.setdefault(h, set()).add(p)
+            blocks.append({"index": len(blocks), "hash": h, "num_tokens": block_size, "hit": hit})
+        if len(tokens) % block_size:
+            blocks.append(
+                {"index": len(blocks), "hash": None, "num_tokens": len(tokens) % block_size}
+            )
+        prompts.append({"index": p, "num_tokens": len(tokens), "blocks": blocks})
+    for prompt in prompts:
+        for block in prompt["blocks"]:
+            if block["hash"] is not None:
+                block["first_prompt"] = first_seen[block["hash"]]
+                block["shared_by"] = len(users[block["hash"]])
+    return {
+        "block_size": block_size,
+        "prompts": prompts,
+        "total_blocks": sum(len(p["blocks"]) for p in prompts),
+        "unique_full_blocks": len(users),
+        "shared_full_blocks": sum(1 for u in users.values() if len(u) > 1),
+        "prompt_tokens": cache.prompt_tokens,
+        "hit_tokens": cache.hit_tokens,
+        "hit_rate": cache.hit_rate,
+    }

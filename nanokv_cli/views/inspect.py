@@ -1,0 +1,187 @@
+"""Renderings for ``nanokv inspect``: a recorded cache state, and prompts laid onto blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..engine.events import CacheState
+from .blockmap import FREE, USED, block_cell, blocks_per_cell, legend, render_block_map, shared_cell
+
+
+def _hash(h: int | None) -> str:
+    return "-" if h is None else f"{h:016x}"
+
+
+def _snippet(block: dict[str, Any]) -> Text:
+    if block.get("text") is not None:
+        return Text(repr(block["text"])[1:-1], style="italic")
+    if block.get("token_ids") is not None:
+        return Text(" ".join(map(str, block["token_ids"])), style="dim")
+    return Text("(tokens not recorded)", style="dim")
+
+
+def render_trace_state(
+    header: dict[str, Any], state: CacheState, info: dict[str, Any], width: int
+) -> RenderableType:
+    """Header line, block map, sequences with their block tables, and the non-free blocks."""
+    snap = info["snapshot"] or {}
+    c = info["counts"]
+    head = Text()
+    head.append(f"step {info['step']}", "bold")
+    head.append(f" ({snap.get('kind', '?')})  ·  ")
+    head.append(f"{header['num_blocks']} blocks × {header['block_size']} tokens\n")
+    model = header.get("model")
+    head.append(f"model: {Path(model).name if model else '(none: token ids only)'}\n")
+    head.append(
+        f"blocks: used {c['used']} · shared {c['shared']} · cached-free {c['cached']} · free {c['free']}\n"
+        f"sequences: running {snap.get('num_running', 0)} · waiting {snap.get('num_waiting', 0)}\n"
+        f"so far: evictions {snap.get('evictions', 0)} · preemptions {snap.get('preemptions', 0)}"
+    )
+    rows = 16
+    cells = blocks_per_cell(state.num_blocks, width, rows)
+    parts: list[RenderableType] = [
+        head,
+        Text(),
+        render_block_map(state, width, rows),
+        legend(cells),
+        Text(),
+    ]
+    parts.append(_sequences_table(info, state))
+    if info["waiting"]:
+        parts.append(Text(f"waiting without blocks: {', '.join(map(str, info['waiting']))}"))
+    parts.append(_blocks_table(info))
+    return Group(*parts)
+
+
+def _sequences_table(info: dict[str, Any], state: CacheState) -> RenderableType:
+    if not info["sequences"]:
+        return Text("no sequence holds blocks at this step", style="dim")
+    table = Table(title="Block tables", title_justify="left", header_style="bold", expand=True)
+    table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("prompt", justify="right", no_wrap=True)
+    table.add_column("blocks", justify="right", no_wrap=True)
+    table.add_column(
+        "block table: logical → physical (shared blocks coloured)", overflow="fold", ratio=1
+    )
+    for seq in info["sequences"]:
+        cells = Text()
+        for b in seq["block_table"]:
+            rc = state.ref_count[b]
+            cells.append(str(b), shared_cell(rc)[1] if rc > 1 else None)
+            cells.append(" ")
+        table.add_row(
+            str(seq["seq_id"]), str(seq["num_prompt_tokens"]), str(len(seq["block_table"])), cells
+        )
+    return table
+
+
+def _blocks_table(info: dict[str, Any]) -> RenderableType:
+    if not info["blocks"]:
+        return Text("every block is free and clean", style="dim")
+    table = Table(
+        title="Blocks (all but free-and-clean)",
+        title_justify="left",
+        header_style="bold",
+        expand=True,
+    )
+    table.add_column("block", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("refs", justify="right", no_wrap=True)
+    table.add_column("hash", no_wrap=True)
+    table.add_column("seqs", no_wrap=True, max_width=16, overflow="ellipsis")
+    table.add_column("text", no_wrap=True, overflow="ellipsis", ratio=1)
+    for b in info["blocks"]:
+        glyph, style = block_cell(b["ref_count"], -1 if b["hash"] is None else b["hash"])
+        table.add_row(
+            str(b["block_id"]),
+            Text(f"{glyph} {b['state']}", style=style if b["ref_count"] > 1 else None),
+            str(b["ref_count"]),
+            _hash(b["hash"]),
+            ",".join(map(str, b["seq_ids"])),
+            _snippet(b),
+        )
+    return table
+
+
+def render_prompt_map(
+    info: dict[str, Any], texts: list[str] | None, width: int, decode=None, token_lists=None
+) -> RenderableType:
+    """Each prompt as a row of blocks: shared blocks show how many prompts hold them."""
+    bs = info["block_size"]
+    head = Text()
+    head.append(f"{len(info['prompts'])} prompts on {bs}-token blocks: ", "bold")
+    head.append(
+        f"{info['total_blocks']} blocks, {info['unique_full_blocks']} distinct full blocks, "
+        f"{info['shared_full_blocks']} shared by several prompts; "
+    )
+    head.append(f"prefix-cache hit rate {info['hit_rate']:.1%}", "bold yellow")
+    head.append(" with a cache that never evicts, in file order")
+    key = Text()
+    key.append(*USED)
+    key.append(" only this prompt  ")
+    for n in (2, 3, 5):
+        key.append(*shared_cell(n))
+        key.append(" ")
+    key.append("full block shared by n prompts (underlined: a prefix-cache hit)  ")
+    key.append("▏", FREE[1])
+    key.append(" partial last block")
+    table = Table(header_style="bold", box=None, pad_edge=False, expand=True)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
+    table.add_column("hit", justify="right", no_wrap=True)
+    table.add_column("blocks", no_wrap=True, overflow="ellipsis", ratio=1)
+    if texts is not None:
+        table.add_column("prompt", no_wrap=True, overflow="ellipsis", max_width=40)
+    for p in info["prompts"]:
+        cells = Text()
+        hits = 0
+        for block in p["blocks"]:
+            if block["hash"] is None:
+                cells.append("▏", FREE[1])
+                continue
+            glyph, style = USED if block["shared_by"] == 1 else shared_cell(block["shared_by"])
+            if block["hit"]:
+                hits += bs
+                style = f"{style} underline"
+            cells.append(glyph, style)
+        row = [str(p["index"]), f"{p['num_tokens']:,}", f"{hits:,}", cells]
+        if texts is not None:
+            row.append(repr(texts[p["index"]])[1:-1])
+        table.add_row(*row)
+    parts: list[RenderableType] = [head, key, Text(), table]
+    shared = _shared_blocks(info, decode, token_lists)
+    if shared is not None:
+        parts += [Text(), shared]
+    return Group(*parts)
+
+
+def _shared_blocks(info: dict[str, Any], decode, token_lists) -> RenderableType | None:
+    seen: dict[int, dict[str, Any]] = {}
+    for p in info["prompts"]:
+        for block in p["blocks"]:
+            h = block["hash"]
+            if h is not None and block["shared_by"] > 1 and h not in seen:
+                seen[h] = {"block": block, "prompt": p["index"], "users": []}
+            if h in seen:
+                seen[h]["users"].append(p["index"])
+    if not seen:
+        return None
+    bs = info["block_size"]
+    table = Table(title="Shared blocks", title_justify="left", header_style="bold", expand=True)
+    table.add_column("hash", no_wrap=True)
+    table.add_column("position", justify="right", no_wrap=True)
+    table.add_column("prompts", no_wrap=True, max_width=24, overflow="ellipsis")
+    table.add_column("text", no_wrap=True, overflow="ellipsis", ratio=1)
+    for h, entry in list(seen.items())[:200]:
+        i = entry["block"]["index"]
+        text = Text("")
+        if decode is not None and token_lists is not None:
+            tokens = token_lists[entry["prompt"]][i * bs : (i + 1) * bs]
+            text = Text(repr(decode(list(tokens)))[1:-1], style="italic")
+        table.add_row(_hash(h), f"block {i}", ",".join(map(str, entry["users"])), text)
+    return table

@@ -1,0 +1,121 @@
+"""Static tables: run summaries, the dry-run comparison and its hit-rate chart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1000:,.1f} ms"
+
+
+def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
+    """The replay summary: volume, prefix cache, blocks, throughput and latency."""
+    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column(style="dim")
+    r = report
+    table.add_row("requests", f"{r['requests']:,}", f"of {r['requests_added']:,} started")
+    table.add_row("prompt tokens", f"{r['prompt_tokens']:,}", "")
+    table.add_row("output tokens", f"{r['output_tokens']:,}", "")
+    table.add_row(
+        "prefix-cache hit rate",
+        _pct(r["hit_rate"]),
+        f"{r['cached_tokens']:,} prompt tokens served from cache",
+    )
+    hits = r["shared_hit_tokens"] + r["revived_hit_tokens"]
+    if hits:
+        table.add_row(
+            "  shared / revived",
+            f"{r['shared_hit_tokens'] / hits:.0%} / {r['revived_hit_tokens'] / hits:.0%}",
+            "of hits: block in use / freed block still cached",
+        )
+    if "infinite_cache_hit_rate" in r:
+        table.add_row("  infinite cache", _pct(r["infinite_cache_hit_rate"]), "upper bound")
+    table.add_row("evictions", f"{r['evictions']:,}", "cached blocks overwritten")
+    table.add_row("preemptions", f"{r['preemptions']:,}", "sequences recomputed")
+    table.add_row("peak blocks in use", f"{r['peak_used_blocks']:,}", f"of {r['num_blocks']:,}")
+    clock = "virtual seconds" if r.get("dry_run") else "seconds"
+    table.add_row("duration", f"{r['duration_s']:,.2f} s", f"{r['steps']:,} steps, {clock}")
+    table.add_row("throughput", f"{r['output_throughput']:,.1f} tok/s", "output tokens")
+    table.add_row("", f"{r['total_token_throughput']:,.1f} tok/s", "prompt + output")
+    table.add_row("", f"{r['request_throughput']:,.2f} req/s", "")
+    for key, label in (("ttft_s", "time to first token"), ("itl_s", "inter-token latency")):
+        if key in r:
+            p = r[key]
+            table.add_row(label, _ms(p["p50"]), f"p90 {_ms(p['p90'])} · p99 {_ms(p['p99'])}")
+    return table
+
+
+def comparison_table(reports: list[dict[str, Any]]) -> Table:
+    """One row per dry-run configuration."""
+    table = Table(
+        title="Cache configurations (dry run)",
+        title_justify="left",
+        header_style="bold underline",
+        box=None,
+        pad_edge=False,
+    )
+    columns = ["block", "blocks", "tokens", "hit rate", "bound", "evictions", "preempt", "peak"]
+    rejected = any(r["rejected"] for r in reports)
+    if rejected:
+        columns.append("rejected")
+    for name in columns:
+        table.add_column(name, justify="right", no_wrap=True)
+    best = max(r["hit_rate"] for r in reports)
+    for r in reports:
+        rate = Text(_pct(r["hit_rate"]), style="bold green" if r["hit_rate"] == best else "")
+        row = [
+            str(r["block_size"]),
+            f"{r['num_blocks']:,}",
+            _short(r["block_size"] * r["num_blocks"]),
+            rate,
+            _pct(r["infinite_cache_hit_rate"]),
+            f"{r['evictions']:,}",
+            f"{r['preemptions']:,}",
+            f"{r['peak_used_blocks']:,}",
+        ]
+        if rejected:
+            row.append(f"{r['rejected']:,}")
+        table.add_row(*row)
+    table.caption = "bound: hit rate of a cache that never evicts; rejected requests are left out"
+    return table
+
+
+def _short(n: int) -> str:
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            # "1000K" not "1e+03K": :g switches to exponent form at 4 significant digits.
+            return f"{n / size:.0f}{unit}" if n >= 100 * size else f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def hit_rate_chart(reports: list[dict[str, Any]], console_width: int = 80) -> Text:
+    """Horizontal bars of hit rate per configuration; ``│`` marks the infinite-cache bound."""
+    labels = [f"bs {r['block_size']} × {r['num_blocks']:,}" for r in reports]
+    pad = max(len(s) for s in labels)
+    width = max(10, min(50, console_width - pad - 16))
+    text = Text()
+    text.append("Prefix-cache hit rate", "bold")
+    text.append("  █ achieved  │ infinite-cache bound\n", "dim")
+    for label, r in zip(labels, reports):
+        filled = round(r["hit_rate"] * width)
+        bound = min(width - 1, round(r["infinite_cache_hit_rate"] * width))
+        text.append(label.rjust(pad) + " ")
+        text.append("█" * filled, "green")
+        if bound >= filled:
+            text.append("░" * (bound - filled), "grey35")
+            text.append("│", "bold red")
+            text.append("░" * (width - bound - 1), "grey35")
+        else:
+            text.append("░" * (width - filled), "grey35")
+        text.append(f" {_pct(r['hit_rate']):>6} / {_pct(r['infinite_cache_hit_rate'])}\n")
+    return text

@@ -1,0 +1,141 @@
+"""What the live view costs a replay: the same run with and without it attached.
+
+Dry run (always): `nanokv replay --dry-run` on a slice of the Mooncake trace, as the CLI
+drives it (report statistics attached, so the engine emits events either way); the second
+run also feeds the live view, drawing into an in-memory 120x40 colour terminal so drawing is
+paid in full. The model-free engine spends ~2 us per block event, so this is the worst case:
+the view's per-event bookkeeping is a visible fraction of it. A run with no listener at all
+shows what emitting events costs.
+
+Model run (with --model PATH, or --model default): the same comparison on a real model, the
+case the live view is on by default for. Here a step costs milliseconds and carries a handful
+of events.
+
+    python scripts/bench_live_view.py [--limit 200] [--repeat 5] [--model default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+
+from nanokv_cli.cli import PromptEncoder, build_requests, dry_run_engine
+from nanokv_cli.engine.replay import Request, replay
+from nanokv_cli.engine.sampling_params import SamplingParams
+from nanokv_cli.prompts import read_prompts
+from nanokv_cli.report import RunStats
+from nanokv_cli.views.live import LiveView
+
+TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
+
+
+class NoWait:
+    """Clock for all-at-once replays: nothing ever waits."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __call__(self) -> float:
+        return self.engine.clock
+
+    def wait_until(self, t: float) -> None:
+        pass
+
+
+def timed(make_engine: Callable, requests: list, mode: str) -> tuple[float, LiveView | None]:
+    """CPU seconds (all threads) to replay ``requests``; ``mode``: silent, stats or view."""
+    engine, clock = make_engine()
+    view = None
+    unsubscribe = []
+    if mode != "silent":
+        unsubscribe.append(engine.events.subscribe(RunStats()))
+    if mode == "view":
+        console = Console(
+            file=io.StringIO(), width=120, height=40, force_terminal=True, color_system="truecolor"
+        )
+        view = LiveView(
+            engine.num_blocks, engine.block_size, console=console, total_requests=len(requests)
+        )
+        unsubscribe.append(view.attach(engine.events))
+        view.__enter__()
+    t0 = time.process_time()  # CPU time: less swayed by other processes on a shared machine
+    for _ in replay(engine, requests, clock):
+        if view is not None:
+            view.tick()
+    if view is not None:
+        view.__exit__(None, None, None)
+    elapsed = time.process_time() - t0
+    for u in unsubscribe:  # a model engine is reused across runs
+        u()
+    return elapsed, view
+
+
+def compare(
+    label: str, make_engine: Callable, requests: list, repeat: int, modes: tuple[str, ...]
+) -> None:
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    view = None
+    for _ in range(repeat):  # interleaved, so drift in machine load hits every mode alike
+        for mode in modes:
+            elapsed, v = timed(make_engine, requests, mode)
+            times[mode].append(elapsed)
+            view = v or view
+    best = {mode: min(t) for mode, t in times.items()}
+    print(f"{label}, best of {repeat} (CPU seconds)")
+    if "silent" in best:
+        print(f"  no listener (events off)  {best['silent']:8.3f} s")
+    print(f"  replay, no view           {best['stats']:8.3f} s   baseline")
+    print(
+        f"  replay, live view         {best['view']:8.3f} s   {view.frames} frames: "
+        f"{view.draw_time:.3f} s drawing, {view.apply_time:.3f} s applying events"
+    )
+    ratio = best["view"] / best["stats"]
+    print(f"  ratio view / baseline     {ratio:8.4f}   ({(ratio - 1) * 100:+.2f}%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--limit", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--num-blocks", type=int, default=8192)
+    parser.add_argument("--model", help="also compare on this model ('default': SmolLM2-135M)")
+    args = parser.parse_args()
+
+    pf = read_prompts(args.trace, limit=args.limit)
+    requests = build_requests(pf, PromptEncoder(None, False), SamplingParams(), rate=None)
+    compare(
+        f"dry run: {len(requests)} Mooncake requests, block size {args.block_size}, {args.num_blocks} blocks",
+        lambda: dry_run_engine(args.block_size, args.num_blocks),
+        requests,
+        args.repeat,
+        ("silent", "stats", "view"),
+    )
+    if args.model:
+        from nanokv_cli.llm import LLM
+
+        llm = LLM(None if args.model == "default" else args.model, block_size=16)
+        prefix = llm.tokenizer.encode("A long shared system prompt about paged KV caches. " * 8)
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        model_requests = [
+            Request(prefix + llm.tokenizer.encode(f"Question {i}?"), params) for i in range(8)
+        ]
+        compare(
+            f"model {llm.model_path}: 8 requests x 32 tokens, block size 16",
+            lambda: (llm.engine, NoWait(llm.engine)),
+            model_requests,
+            args.repeat,
+            ("stats", "view"),
+        )
+
+
+if __name__ == "__main__":
+    main()

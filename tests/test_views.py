@@ -1,0 +1,245 @@
+"""Rich views rendered for real: block map, live view, tables, chart, inspect."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
+from nanokv_cli.engine.events import BlockAllocated, BlockFreed, BlockHit, BlockStored, CacheState
+from nanokv_cli.engine.llm_engine import LLMEngine
+from nanokv_cli.engine.sampling_params import SamplingParams
+from nanokv_cli.prompts import map_prompt_blocks
+from nanokv_cli.trace import describe_state
+from nanokv_cli.views.blockmap import blocks_per_cell, legend, render_block_map
+from nanokv_cli.views.inspect import render_prompt_map, render_trace_state
+from nanokv_cli.views.live import LiveView
+from nanokv_cli.views.tables import comparison_table, hit_rate_chart, summary_table
+
+
+def console(width: int = 100, height: int = 40) -> Console:
+    return Console(
+        file=io.StringIO(), width=width, height=height, record=True, color_system="truecolor"
+    )
+
+
+def text_of(renderable, width: int = 100) -> str:
+    c = console(width)
+    c.print(renderable)
+    return c.export_text()
+
+
+def state_with_every_kind() -> CacheState:
+    """Block 0 shared by 3, block 1 used, block 2 free but cached, the rest free and clean."""
+    state = CacheState(8)
+    for event in [
+        BlockAllocated(0, 0),
+        BlockAllocated(0, 1),
+        BlockAllocated(0, 2),
+        BlockStored(0, 111, -1, [1, 2]),
+        BlockStored(2, 222, 111, [3, 4]),
+        BlockHit(1, 0, 111, "shared"),
+        BlockHit(2, 0, 111, "shared"),
+        BlockFreed(0, 2, 0),
+    ]:
+        state.apply(event)
+    return state
+
+
+def test_block_map_one_cell_per_block_by_state():
+    text = render_block_map(state_with_every_kind(), width=8).plain
+    assert text == "3█▒·····"
+
+
+def test_block_map_wraps_rows_and_colours_shared_blocks_by_ref_count():
+    state = state_with_every_kind()
+    text = render_block_map(state, width=3)
+    assert text.plain == "3█▒\n···\n··"
+    spans = {text.plain[s.start : s.end]: str(s.style) for s in text.spans}
+    assert "on" in spans["3"] and spans["█"] == "green"
+
+
+def test_block_map_aggregates_when_blocks_do_not_fit():
+    state = CacheState(1000)
+    for b in range(600):
+        state.apply(BlockAllocated(0, b))
+    text = render_block_map(state, width=10, max_rows=5).plain
+    rows = text.split("\n")
+    assert blocks_per_cell(1000, 10, 5) == 20
+    assert len(rows) == 5 and all(len(r) == 10 for r in rows)
+    assert text.count("█") == 30 and text.count("·") == 20
+    assert "1 cell = 20 blocks" in legend(20).plain
+    assert "cell" not in legend(1).plain
+
+
+def dry_engine(num_blocks: int = 64, block_size: int = 4) -> LLMEngine:
+    clock = VirtualClock()
+    return LLMEngine(
+        DryRunExecutor(clock=clock), num_blocks=num_blocks, block_size=block_size, clock=clock
+    )
+
+
+def drive_shared_prefix(eng: LLMEngine, view: LiveView, n: int = 4) -> None:
+    prefix = list(range(50, 70))
+    for i in range(n):
+        eng.add_request(prefix + [i, i + 1], SamplingParams(max_tokens=8, ignore_eos=True))
+        eng.step()
+        view.tick()
+
+
+def test_live_view_renders_map_counters_and_block_tables():
+    eng = dry_engine()
+    con = console()
+    view = LiveView(eng.num_blocks, 4, console=con, title="unit", total_requests=4)
+    view.attach(eng.events)
+    drive_shared_prefix(eng, view)
+    view.update()
+    out = text_of(view.render())
+    assert "unit · 64 blocks × 4 tokens" in out
+    snap = view.snapshot
+    assert f"step {snap.step}" in out
+    assert f"{snap.num_used_blocks} used" in out
+    assert f"running {snap.num_running} · waiting {snap.num_waiting}" in out
+    assert f"hit rate {snap.hits / snap.queries:.1%}" in out and snap.hits > 0
+    # The first five blocks hold the shared 20-token prefix of every sequence: ref count 4.
+    assert out.splitlines()[1].lstrip("│ ").startswith("44444")
+    for table in view.state.block_tables.values():
+        assert " ".join(map(str, table)) in out
+    assert view.hit_blocks and all(n == 5 for n in list(view.hit_blocks.values())[1:])
+
+
+def test_live_view_streams_text_tail():
+    eng = dry_engine()
+    view = LiveView(eng.num_blocks, 4, console=console(), show_text=True)
+    view.attach(eng.events)
+    seq = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    eng.step()
+    view.set_text(seq, "line one\nline two\nthe last words")
+    view.update()
+    out = text_of(view.render())
+    assert f"seq {seq}" in out and "the last words" in out
+
+
+def test_live_view_draws_at_a_bounded_rate_and_leaves_the_last_frame():
+    eng = dry_engine()
+    con = console()
+    view = LiveView(eng.num_blocks, 4, console=con, max_fps=1e-6)  # one frame per ~11 days
+    view.attach(eng.events)
+    with view:
+        drive_shared_prefix(eng, view, n=3)
+        while eng.has_unfinished_requests():
+            eng.step()
+            view.tick()
+    assert eng.num_steps >= 10
+    assert view.frames == 2  # the first tick, and the final frame on exit
+    out = con.export_text()
+    assert f"step {eng.num_steps - 1}" in out  # the final frame shows the last step
+    assert "done 3" in out
+
+
+def test_live_view_in_a_terminal_restores_the_cursor():
+    eng = dry_engine()
+    buf = io.StringIO()
+    con = Console(file=buf, width=80, height=30, force_terminal=True, color_system="256")
+    view = LiveView(eng.num_blocks, 4, console=con)
+    view.attach(eng.events)
+    with view:
+        drive_shared_prefix(eng, view, n=2)
+    out = buf.getvalue()
+    assert "\x1b[?25l" in out and out.rstrip().endswith("\x1b[?25h")  # cursor hidden, then shown
+
+
+REPORT = {
+    "requests": 10,
+    "requests_added": 10,
+    "prompt_tokens": 1000,
+    "output_tokens": 200,
+    "cached_tokens": 250,
+    "hit_rate": 0.25,
+    "cache_queries": 1100,
+    "shared_hit_tokens": 150,
+    "revived_hit_tokens": 100,
+    "evictions": 7,
+    "preemptions": 2,
+    "peak_used_blocks": 40,
+    "num_blocks": 64,
+    "steps": 30,
+    "duration_s": 2.0,
+    "output_throughput": 100.0,
+    "total_token_throughput": 600.0,
+    "request_throughput": 5.0,
+    "ttft_s": {"mean": 0.1, "p50": 0.05, "p90": 0.2, "p99": 0.3},
+    "itl_s": {"mean": 0.01, "p50": 0.01, "p90": 0.02, "p99": 0.03},
+}
+
+
+def test_summary_table_shows_every_headline_number():
+    out = text_of(summary_table(REPORT))
+    for needle in (
+        "25.0%",
+        "250 prompt tokens",
+        "60% / 40%",
+        "evictions",
+        "7",
+        "40",
+        "of 64",
+        "100.0 tok/s",
+        "50.0 ms",
+        "p99 30.0 ms",
+        "10.0 ms",
+    ):
+        assert needle in out, needle
+
+
+def test_comparison_table_and_chart_mark_the_bound():
+    reports = [
+        {
+            **REPORT,
+            "block_size": 16,
+            "num_blocks": 100,
+            "hit_rate": 0.2,
+            "infinite_cache_hit_rate": 0.5,
+            "rejected": 0,
+        },
+        {
+            **REPORT,
+            "block_size": 64,
+            "num_blocks": 1000,
+            "hit_rate": 0.4,
+            "infinite_cache_hit_rate": 0.5,
+            "rejected": 3,
+        },
+    ]
+    table = text_of(comparison_table(reports))
+    assert "20.0%" in table and "40.0%" in table and "rejected" in table
+    chart = hit_rate_chart(reports, console_width=80).plain.splitlines()
+    bars = [line for line in chart if line.lstrip().startswith("bs")]
+    assert len(bars) == 2
+    first = bars[0]
+    bar = first[first.index(" ", first.index("×") + 2) + 1 :]
+    width = bar.index(" ")
+    assert bar[: round(0.2 * width)] == "█" * round(0.2 * width)
+    assert bar.index("│") == round(0.5 * width)
+    assert "20.0% / 50.0%" in first
+
+
+def test_inspect_views_render_a_state_and_a_prompt_map():
+    state = state_with_every_kind()
+    info = describe_state(state, 2, decode=lambda ids: "tok" + "-".join(map(str, ids)))
+    header = {"num_blocks": 8, "block_size": 2, "model": None}
+    out = text_of(render_trace_state(header, state, info, 80))
+    assert "3█▒·····" in out
+    assert "tok1-2" in out and f"{111:016x}" in out and "shared" in out
+    prompt_info = map_prompt_blocks([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 9]], 2)
+    out = text_of(
+        render_prompt_map(
+            prompt_info,
+            ["a", "b", "c"],
+            100,
+            lambda ids: "T" + str(ids[0]),
+            [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 9]],
+        )
+    )
+    assert "3 prompts on 2-token blocks" in out
+    assert "Shared blocks" in out and "T1" in out and "0,1" in out
