@@ -64,11 +64,19 @@ def user_errors(debug: bool) -> Iterator[None]:
         raise typer.Exit(130) from None
     except typer.Exit:
         raise
-    except USER_ERRORS as e:
+    except Exception as e:
+        if not isinstance(e, USER_ERRORS) and not _is_worker_failure(e):
+            raise
         if debug:
             raise
         print(f"nanokv: error: {_one_line(e)}", file=sys.stderr)
         raise typer.Exit(1) from None
+
+
+def _is_worker_failure(e: Exception) -> bool:
+    """A tensor-parallel worker died: the user's environment, not a nanokv bug."""
+    dist = sys.modules.get("nanokv_cli.engine.distributed")  # loaded only with a TP model
+    return dist is not None and isinstance(e, dist.TensorParallelError)
 
 
 def _one_line(e: BaseException) -> str:
@@ -303,6 +311,16 @@ DeviceOpt = Annotated[
     str | None,
     typer.Option(help="cpu, cuda or cuda:N. [default: cuda if available]", show_default=False),
 ]
+TensorParallelOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--tensor-parallel-size",
+        min=1,
+        help="Split the model over N processes (tensor parallelism): gloo on CPU, NCCL with "
+        "one GPU per rank. Heads, KV heads and vocabulary must divide by N (SmolLM2-135M: 3).",
+        show_default=False,
+    ),
+]
 LiveOpt = Annotated[
     bool | None,
     typer.Option(
@@ -338,7 +356,11 @@ def make_llm(model: str | None, *, kv_cache_memory: str | None, **options: Any):
     given = {k: v for k, v in options.items() if v is not None}
     if kv_cache_memory:
         given["kv_cache_memory"] = parse_size(kv_cache_memory)
-    return LLM(model, **given)
+    llm = LLM(model, **given)
+    if llm.rank != 0:
+        # A torchrun worker rank: LLM() returned once rank 0 finished; it has nothing to print.
+        raise typer.Exit(0)
+    return llm
 
 
 def engine_limits(
@@ -384,6 +406,7 @@ def generate(
     max_model_len: MaxModelLenOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
+    tensor_parallel_size: TensorParallelOpt = None,
     live: LiveOpt = None,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -420,6 +443,7 @@ def generate(
             num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=not no_prefix_cache,
+            tensor_parallel_size=tensor_parallel_size,
             **engine_limits(max_num_seqs, max_num_batched_tokens, max_model_len),
         )
         results = _run_generate(llm, texts, defaults, chat, want_live(live, json_out), json_out)
@@ -787,6 +811,7 @@ def replay_cmd(
     max_model_len: MaxModelLenOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
+    tensor_parallel_size: TensorParallelOpt = None,
     live: LiveOpt = None,
     json_out: JsonOpt = False,
     report: Annotated[
@@ -874,6 +899,7 @@ def replay_cmd(
                     block_size=block_sizes[0],
                     num_blocks=sizes[0] if sizes else None,
                     kv_cache_memory=kv_cache_memory,
+                    tensor_parallel_size=tensor_parallel_size,
                     **limits,
                 )
                 encoder = PromptEncoder(model, chat, tokenizer=llm.tokenizer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from .engine import distributed
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.loader import load_model
 from .engine.model_runner import ModelRunner
@@ -18,6 +19,12 @@ class LLM:
     ``model`` is a Hugging Face folder, a ``.gguf`` file, or None for the default
     SmolLM2-135M-Instruct. On CPU the cache size comes from ``num_blocks`` or the
     ``kv_cache_memory`` budget in bytes; on GPU from ``gpu_memory_utilization``.
+
+    ``tensor_parallel_size=N`` splits the model over N processes (this one is rank 0 and
+    schedules and samples; N-1 workers are spawned, or the ranks of an existing torchrun
+    group are used: see ``nanokv_cli.engine.distributed``). Cache sizes are per rank. Call
+    ``shutdown()`` (or use ``with LLM(...) as llm:``) to stop the workers; interpreter exit
+    does it too.
     """
 
     def __init__(
@@ -35,7 +42,10 @@ class LLM:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        # Fails fast (before loading anything) when this process cannot host that many ranks.
+        mode = distributed.parallel_mode(tensor_parallel_size)
         loaded = load_model(model)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -44,9 +54,7 @@ class LLM:
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.max_model_len = min(max_model_len or limit, limit)
-        self.model_runner = ModelRunner(
-            self.config,
-            loaded.weights,
+        options = dict(
             block_size=block_size,
             num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory,
@@ -58,16 +66,46 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
         )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.rank = 0  # tensor-parallel rank: only rank 0 schedules, samples and generates
+        if mode == "single":
+            self.model_runner = ModelRunner(self.config, loaded.weights, **options)
+            self.executor = self.model_runner
+        else:
+            rank = distributed.process_rank()
+            executor = distributed.start_tensor_parallel(loaded, tensor_parallel_size, options)
+            if executor is None:  # a worker rank of a torchrun group: rank 0 has shut down
+                self.rank = rank
+                self.model_runner = self.executor = self.engine = None
+                return
+            self.executor = executor
+            self.model_runner = executor.runner  # rank 0's shard
+        del loaded
         self.engine = LLMEngine(
-            self.model_runner,
-            num_blocks=self.model_runner.num_blocks,
+            self.executor,
+            num_blocks=self.executor.num_blocks,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            eos_token_ids=loaded.eos_token_ids,
+            eos_token_ids=self.config.eos_token_ids,
         )
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and release their process groups (no-op with one rank).
+
+        Idempotent. A tensor-parallel LLM cannot generate afterwards.
+        """
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -89,6 +127,10 @@ class LLM:
         All prompts are encoded and admitted (or rejected) before the first step, so a bad
         request fails before any work is done. Engine events go to ``self.engine.events``.
         """
+        if self.engine is None:
+            raise RuntimeError(
+                f"this process is tensor-parallel rank {self.rank}: only rank 0 generates"
+            )
         if isinstance(prompts, str):
             prompts = [prompts]
         params = _broadcast(sampling_params, len(prompts))
