@@ -586,6 +586,67 @@ def _convert_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], 
     return hf_config, weights, tokenizer
 
 
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One 2-D GGUF weight kept as its raw blocks, rows in Hugging Face order.
+
+    `data` is uint8 [rows, bytes per row]: a read-only view of the file mapping, or a copy
+    for Llama's Q/K weights whose rows were reordered. `qtype` is the GGML type number
+    (`gguf.GGMLQuantizationType`), `shape` the weight's (out_features, in_features).
+    """
+
+    data: np.ndarray
+    qtype: int
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.qtype).name
+
+
+def load_gguf_quantized(path: str | os.PathLike[str] | None = None) -> dict[str, QuantizedTensor]:
+    """Every 2-D weight of a GGUF file as raw blocks, by Hugging Face name; None: default model.
+
+    For quantized inference (`nanokv_cli.engine.layers.quant.QuantizedLinear.from_gguf`): the
+    blocks are not dequantized. Llama's Q/K rows get the same un-permutation `load_model`
+    applies; a row's blocks move whole, so permuting rows of blocks is exact. Config, tokenizer
+    and 1-D weights come from `load_model`, whose cached copy is memory-mapped, so its float
+    weights that are replaced by these are never read.
+    """
+    model_path = _model_path(path)
+    if model_path.is_dir() or not _is_gguf(model_path):
+        raise ModelLoadError(f"{model_path} is not a GGUF file")
+    reader = _open_gguf(model_path)
+
+    def field(key: str) -> Any:
+        value = reader.fields.get(key)
+        return value.contents() if value is not None else None
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        supported = ", ".join(sorted(_GGUF_ARCHITECTURES))
+        raise UnsupportedArchitectureError(
+            f"{model_path}: unsupported GGUF architecture {arch!r} (supported: {supported})"
+        )
+    heads = int(field(f"{arch}.attention.head_count"))
+    kv_heads = int(field(f"{arch}.attention.head_count_kv") or heads)
+    row_heads = {"q_proj": heads, "k_proj": kv_heads}
+    weights = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) != 2 or tensor.name == _ROPE_FREQS:
+            continue
+        hf_name = _hf_tensor_name(tensor.name, model_path)
+        cols, rows = (int(d) for d in tensor.shape.tolist())
+        data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        module = hf_name.split(".")[-2]
+        if arch == "llama" and module in row_heads:
+            data = _unpermute_rows(data, row_heads[module])
+        weights[hf_name] = QuantizedTensor(data, int(tensor.tensor_type), (rows, cols))
+    return weights
+
+
 def _hf_tensor_name(name: str, path: Path) -> str:
     stem, _, kind = name.rpartition(".")
     if stem in _GGUF_GLOBAL_TENSORS and kind == "weight":
