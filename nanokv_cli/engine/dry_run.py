@@ -25,12 +25,9 @@ class StepCostModel:
     per_token: float = 2e-5  # seconds per computed token (weights' FLOPs)
     per_kv_token: float = 1e-7  # seconds per KV token attended to (cache reads)
 
-    def cost(self, seqs: list[Sequence]) -> float:
-        tokens = kv = 0
-        for seq in seqs:
-            tokens += seq.num_scheduled_tokens
-            kv += seq.num_cached_tokens + seq.num_scheduled_tokens
-        return self.step_overhead + self.per_token * tokens + self.per_kv_token * kv
+    def cost(self, num_tokens: int, num_kv_tokens: int) -> float:
+        """Seconds for a step computing ``num_tokens`` that attend to ``num_kv_tokens``."""
+        return self.step_overhead + self.per_token * num_tokens + self.per_kv_token * num_kv_tokens
 
 
 class VirtualClock:
@@ -61,7 +58,14 @@ class DryRunExecutor:
         self.cost_model = cost_model
 
     def run(self, seqs: list[Sequence]) -> list[int]:
-        self.clock.advance(self.cost_model.cost(seqs))
         v = self.vocab_size
-        # Knuth's multiplicative hash of (last token, length): cheap, deterministic, well spread.
-        return [((seq.last_token * 2654435761) ^ (seq.num_tokens * 40503)) % v for seq in seqs]
+        tokens = []
+        num_tokens = kv = 0
+        for seq in seqs:  # one pass: this runs for every sequence of every dry-run step
+            n = seq.num_scheduled_tokens
+            num_tokens += n
+            kv += seq.num_cached_tokens + n
+            # Knuth's multiplicative hash of (last token, length): cheap, deterministic, spread.
+            tokens.append(((seq.last_token * 2654435761) ^ (seq.num_tokens * 40503)) % v)
+        self.clock.advance(self.cost_model.cost(num_tokens, kv))
+        return tokens
