@@ -6,6 +6,11 @@ it turns the scheduled sequences into one flat batch - token ids, positions, the
 that says where each new token's K/V goes, and per-step attention metadata - with a handful of
 list and tensor operations per sequence (none per token), runs the model once, and computes
 logits only at each sequence's last scheduled position.
+
+On CPU in float32 two fast paths are switched on at start-up (benchmark notes in
+``scripts/BENCHMARKS.md``): the C kernels of ``layers/cpu_kernels.py`` (paged decode attention,
+fused norms, rotary, K/V stores, silu * mul), and MKL-packed copies of the wide projections for
+1-row inputs, which a single sequence's decode runs on (``_pack_weights``).
 """
 
 import ctypes
@@ -18,21 +23,34 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .layers import cpu_kernels
 from .layers.attention import (
     Attention,
     AttentionMetadata,
     DecodeGroup,
     FlashMetadata,
+    PagedDecode,
     PrefillChunk,
     flash_attn_with_kvcache,
     uses_sdpa_prefill,
 )
+from .layers.linear import pack_for_single_row, single_row_packing_available, worth_packing
 from .layers.tp import tp_rank, tp_size
 from .models import build_model, load_weights
+from .quantize import check_quantization, quantize_model
 from .sampler import Sampler
 from .sequence import Sequence
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes
+# CPU KV cache budget when none is given: a quarter of the memory available at start-up,
+# within these bounds. 1 GiB held ~40 of the throughput benchmark's 64 sequences (SmolLM2,
+# float32, block size 256), and the preemptions and smaller batches that followed cost 2x in
+# throughput; 4 GiB holds all of them. Pages are only touched as blocks come into use.
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes, when available memory cannot be read
+MIN_CPU_KV_CACHE_MEMORY = 256 << 20
+MAX_CPU_KV_CACHE_MEMORY = 4 << 30
+
+# At most this many bytes of MKL-packed weight copies for single-row decode (see _pack_weights).
+MAX_PACKED_WEIGHT_BYTES = 1 << 30
 
 # Decode queries are split into at most this many length buckets of at least this many
 # sequences: a bucket is padded to its own longest context, and each bucket costs one gather
@@ -111,6 +129,17 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def default_cpu_kv_cache_memory() -> int:
+    """Bytes for the CPU KV cache: a quarter of available memory, clamped (see above)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return DEFAULT_CPU_KV_CACHE_MEMORY
+    return max(MIN_CPU_KV_CACHE_MEMORY, min(MAX_CPU_KV_CACHE_MEMORY, available // 4))
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -152,6 +181,7 @@ class ModelRunner:
         max_model_len: int = 4096,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        quantization: str | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -163,12 +193,17 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.device = self._resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.quantization = check_quantization(quantization, self.device, self.tp_size)
         if self.device.type == "cpu":
             keep_freed_memory()
         with _default_dtype(self.dtype), self.device:
             self.model = build_model(config, max_position=max_model_len)
-        load_weights(self.model, weights)
+        if self.quantization is None:
+            load_weights(self.model, weights)
+        else:  # weight-only int8/int4 layers in place of the float ones (quantize.py)
+            quantize_model(self.model, self.quantization, weights)
         self.model.eval()
+        self.packed_weight_bytes = self._pack_weights() if self.device.type == "cpu" else 0
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         # flash-attn's paged kernels need pages of a multiple of 256 tokens and half precision.
@@ -179,6 +214,15 @@ class ModelRunner:
             and self.dtype in (torch.float16, torch.bfloat16)
         )
         self.use_cuda_graph = self.use_flash and not enforce_eager
+        # float32 on CPU: decodes read the cache in place through the C attention kernel, and
+        # norms, rotary, K/V stores and silu*mul are fused C calls (layers/cpu_kernels.py).
+        self.use_cpu_kernel = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        )
+        if self.use_cpu_kernel:
+            for module in self.model.modules():
+                if hasattr(type(module), "cpu_kernels"):
+                    module.cpu_kernels = True
         self._offsets = torch.arange(block_size)
         self._workspace: torch.Tensor | None = None
         self.num_blocks = self._resolve_num_blocks(
@@ -202,6 +246,28 @@ class ModelRunner:
             torch.cuda.set_device(dev)
         return dev
 
+    def _pack_weights(self) -> int:
+        """Give wide float32 projections an MKL-packed copy for 1-row inputs; bytes added.
+
+        A single sequence's decode step reads every weight once per token, and MKL's packed
+        GEMM streams wide matrices ~1.5-2x faster than F.linear does (see ``worth_packing``):
+        on SmolLM2 the step's linear layers drop from ~37 to ~28 ms. The copies cost memory
+        (SmolLM2: 330 MB over 540 MB of weights), so they stop at MAX_PACKED_WEIGHT_BYTES.
+        """
+        if not single_row_packing_available():
+            return 0
+        added = 0
+        for module in self.model.modules():
+            weight = getattr(module, "weight", None)
+            if not hasattr(module, "packed_row") or weight is None or not worth_packing(weight):
+                continue
+            size = weight.numel() * weight.element_size()
+            if added + size > MAX_PACKED_WEIGHT_BYTES:
+                break
+            module.packed_row = pack_for_single_row(weight)
+            added += size
+        return added
+
     @property
     def block_bytes(self) -> int:
         """Bytes of KV cache one block takes on this rank (all layers, K and V)."""
@@ -219,7 +285,7 @@ class ModelRunner:
         if self.device.type == "cuda" and kv_cache_memory is None:  # pragma: no cover - GPU
             budget = self._gpu_kv_budget(gpu_memory_utilization)
         else:
-            budget = DEFAULT_CPU_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+            budget = default_cpu_kv_cache_memory() if kv_cache_memory is None else kv_cache_memory
         if budget < self.block_bytes:
             raise ValueError(
                 f"KV cache memory of {budget} bytes cannot hold a single block "
@@ -318,8 +384,9 @@ class ModelRunner:
     def _prepare(self, seqs: list[Sequence]) -> StepBatch:
         singles = [i for i, s in enumerate(seqs) if s.num_scheduled_tokens == 1]
         multis = [i for i, s in enumerate(seqs) if s.num_scheduled_tokens != 1]
-        # Longest contexts first, so length buckets are contiguous runs of the batch.
-        singles.sort(key=lambda i: seqs[i].num_cached_tokens, reverse=True)
+        if not self.use_cpu_kernel:
+            # Longest contexts first, so length buckets are contiguous runs of the batch.
+            singles.sort(key=lambda i: seqs[i].num_cached_tokens, reverse=True)
         order = singles + multis
         ordered = [seqs[i] for i in order]
         num_singles = len(singles)
@@ -356,7 +423,10 @@ class ModelRunner:
         if self.use_flash:  # pragma: no cover - GPU
             meta.flash = self._flash_metadata(ordered, contexts, num_singles)
         else:
-            meta.decode_groups = self._decode_groups(ordered[:num_singles], contexts)
+            if self.use_cpu_kernel:
+                meta.paged_decode = self._paged_decode(ordered[:num_singles], contexts)
+            else:
+                meta.decode_groups = self._decode_groups(ordered[:num_singles], contexts)
             meta.prefills = [self._prefill_chunk(s, first, ctx) for s, first, ctx in chunks]
             meta.workspace = self._gather_workspace(meta)
         batch = StepBatch(
@@ -389,6 +459,19 @@ class ModelRunner:
         """Cache slots of positions 0..length-1 of a sequence."""
         table = torch.tensor(block_table[: _cdiv(length, self.block_size)], dtype=torch.long)
         return (table.unsqueeze(1) * self.block_size + self._offsets).view(-1)[:length]
+
+    def _paged_decode(self, seqs: list[Sequence], contexts: list[int]) -> PagedDecode | None:
+        if not seqs:
+            return None
+        lengths = contexts[: len(seqs)]
+        width = _cdiv(max(lengths), self.block_size)
+        tables = torch.tensor([_padded(s.block_table, width) for s in seqs], dtype=torch.long)
+        return PagedDecode(
+            start=0,
+            end=len(seqs),
+            block_tables=tables,
+            context_lens=torch.tensor(lengths, dtype=torch.long),
+        )
 
     def _decode_groups(self, seqs: list[Sequence], contexts: list[int]) -> list[DecodeGroup]:
         if not seqs:

@@ -11,13 +11,15 @@ head_dim]`` it is indexed by *slot* = ``block_id * block_size + offset``. New K/
 with one ``index_copy_`` through the step's slot mapping; reads go through block tables.
 
 The batch is flat (``[num_tokens, heads, head_dim]``): the model runner puts the single-token
-queries (decodes, and 1-token prefill chunks) first, sorted by context length, then the
-multi-token prefill chunks. Two back ends:
+queries (decodes, and 1-token prefill chunks) first - sorted by context length when they attend
+in length buckets - then the multi-token prefill chunks. Two back ends:
 
-* torch (any device, the CPU path): decodes attend in a few length-bucketed groups, each one
-  gather of the group's cached K/V plus one SDPA call; prefills attend per sequence, straight from
-  the fresh K/V when nothing is cached, otherwise from K/V gathered from the cache, with the
-  causal diagonal offset by the cached prefix (blockwise matmuls in float32, SDPA otherwise).
+* torch (any device, the CPU path): in float32 on CPU, decodes attend through a small C kernel
+  that reads K/V in place through the block tables (``cpu_kernels.py``); otherwise in a few
+  length-bucketed groups, each one gather of the group's cached K/V plus one SDPA call.
+  Prefills attend per sequence, straight from the fresh K/V when nothing is cached, otherwise
+  from K/V gathered from the cache, with the causal diagonal offset by the cached prefix
+  (blockwise matmuls in float32, SDPA otherwise).
 * flash-attn (CUDA, block size a multiple of 256): paged kernels read the cache in place.
 """
 
@@ -27,6 +29,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_kernels
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn installed
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -66,6 +70,16 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecode:
+    """Single-token queries ``[start, end)``, attended by the CPU kernel straight from the cache."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # int64 [end - start, width], padded with block 0
+    context_lens: torch.Tensor  # int64 [end - start]
+
+
+@dataclass
 class PrefillChunk:
     """Queries ``[start, end)`` of one sequence, at positions ``num_cached ..``."""
 
@@ -96,6 +110,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    paged_decode: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     flash: FlashMetadata | None = None
     # [2, rows, kv_heads, head_dim], rows >= the largest gather of the step: reused by every
@@ -105,6 +120,9 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     """Writes this layer's new K/V into the paged cache, then attends (GQA-aware)."""
+
+    # Set by the model runner for float32 on CPU: K/V stores go through the C kernel.
+    cpu_kernels = False
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
@@ -120,7 +138,11 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, heads, hd], k/v [T, kv_heads, hd] -> [T, heads * hd]."""
-        if self.k_cache.numel():
+        if not self.k_cache.numel():
+            pass  # the memory-sizing warm-up runs before the cache exists
+        elif self.cpu_kernels:
+            cpu_kernels.store_kv(k, v, meta.slot_mapping, self.k_cache, self.v_cache)
+        else:
             kvh, hd = self.num_kv_heads, self.head_dim
             self.k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k)
             self.v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v)
@@ -133,10 +155,25 @@ class Attention(nn.Module):
     def _torch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        parts = len(meta.decode_groups) + len(meta.prefills)
+        paged = meta.paged_decode
+        parts = len(meta.decode_groups) + len(meta.prefills) + (paged is not None)
         # A step with one part (the common decode step and single prompts) returns its result
         # directly; only mixed steps pay for assembling an output buffer.
         out = None if parts == 1 else q.new_empty(q.shape)
+        if paged is not None:
+            rows = slice(paged.start, paged.end)
+            target = q.new_empty(q[rows].shape) if out is None else out[rows]
+            cpu_kernels.paged_decode(
+                q[rows],
+                self.k_cache,
+                self.v_cache,
+                paged.block_tables,
+                paged.context_lens,
+                self.scale,
+                target,
+            )
+            if out is None:
+                return target
         for group in meta.decode_groups:
             o = self._decode_group(q, group, meta.workspace)
             if out is None:

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import copy_checked
+from .linear import copy_checked, linear
 from .tp import divide, tp_rank, tp_size
 
 
@@ -48,8 +48,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     each slice once instead of to everyone.
     """
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
+        self.packed_row: torch.Tensor | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_row)
         if self.tp_size == 1:
             return logits
         parts = (

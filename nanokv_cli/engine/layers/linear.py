@@ -13,6 +13,44 @@ from torch import nn
 from .tp import divide, tp_rank, tp_size
 
 
+def single_row_packing_available() -> bool:
+    """Whether MKL's packed GEMM (the ops torch.compile's CPU backend uses) is in this torch."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def worth_packing(weight: torch.Tensor) -> bool:
+    """Whether a [out, in] float32 CPU weight runs faster packed for 1-row inputs.
+
+    Measured at batch 1 (AVX2, MKL, 1-2 threads), packed against F.linear: an LM head
+    49152x576 8.0 -> 4.4 ms, gate/up 3072x576 0.52 -> 0.34 ms, 6144x1024 1.5 -> 1.1 ms,
+    qkv 960x576 -13%; but o 576x576 +25% and down 576x1536 2x slower. Wide outputs gain.
+    """
+    out_features, in_features = weight.shape
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and out_features >= 1.5 * in_features
+        and out_features >= 512
+    )
+
+
+def pack_for_single_row(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy of ``weight`` for 1-row inputs (``weight`` itself stays in use)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 1)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed_row: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear, through the packed weight when there is one and ``x`` is a single row."""
+    if packed_row is not None and x.dim() == 2 and x.shape[0] == 1:
+        return torch.ops.mkl._mkl_linear(x, packed_row, weight, bias, 1)
+    return F.linear(x, weight, bias)
+
+
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy ``loaded`` into ``param`` (converting dtype), rejecting a shape mismatch."""
     if param.shape != loaded.shape:
@@ -30,6 +68,8 @@ class LinearBase(nn.Module):
         self.tp_size = tp_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
+        self.packed_row: torch.Tensor | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -47,7 +87,7 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_row)
 
 
 class ReplicatedLinear(LinearBase):
@@ -113,7 +153,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias belongs to the sum, so only one rank adds it.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_row)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

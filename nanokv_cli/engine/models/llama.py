@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..layers import cpu_kernels
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -17,10 +18,15 @@ from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPa
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 
+# (cos, signed sin) per token, each [tokens, 1, head_dim]; on the C path instead
+# (the [max_position, 2, head_dim] table, positions), and q/k are rotated in place.
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderAttention(nn.Module):
+    # Set by the model runner for float32 on CPU (see layers/cpu_kernels.py).
+    cpu_kernels = False
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
@@ -49,7 +55,9 @@ class DecoderAttention(nn.Module):
         n = qkv.shape[0]
         qk_end = self.q_size + self.kv_size
         v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.cpu_kernels:
+            q, k = self._rotate_in_place(qkv, rope)
+        elif self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_end].view(n, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -59,8 +67,23 @@ class DecoderAttention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj(self.attn(q, k, v, meta))
 
+    def _rotate_in_place(self, qkv: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as views of the fused projection output, (normed and) rotated in place."""
+        n, hd = qkv.shape[0], self.head_dim
+        table, positions = rope
+        qk_end = self.q_size + self.kv_size
+        q = qkv[:, : self.q_size].view(n, self.num_heads, hd)
+        k = qkv[:, self.q_size : qk_end].view(n, self.num_kv_heads, hd)
+        if self.qk_norm:
+            cpu_kernels.rms_norm(q, self.q_norm.weight, self.q_norm.eps, out=q)
+            cpu_kernels.rms_norm(k, self.k_norm.weight, self.k_norm.eps, out=k)
+        cpu_kernels.rotary_(qkv[:, :qk_end].view(n, -1, hd), table, positions)
+        return q, k
+
 
 class DecoderMLP(nn.Module):
+    cpu_kernels = False  # set by the model runner for float32 on CPU
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -69,7 +92,10 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_kernels and gate_up.shape[0] > 1:  # one row: torch's 3 ops beat a C call
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        return self.down_proj(self.act(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -99,6 +125,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    cpu_kernels = False  # set by the model runner for float32 on CPU
+
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -112,7 +140,10 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.lookup(positions, hidden.dtype)
+        if self.cpu_kernels:
+            rope = (self.rotary_emb.cos_sin, positions)
+        else:
+            rope = self.rotary_emb.lookup(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, meta)

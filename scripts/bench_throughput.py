@@ -1,0 +1,188 @@
+"""Offline throughput: nanokv vs Hugging Face transformers, same model, prompts and dtype.
+
+nano-vllm's bench.py, scaled for a CPU by default: ``random.seed(0)``, 64 sequences, prompts of
+``randint(64, 512)`` random token ids below 10,000, ``max_tokens = randint(64, 256)``, EOS
+ignored, temperature 0.6. transformers runs the way a user would: ``generate`` on left-padded
+sub-batches of 16 in submission order, each running to its longest ``max_tokens``. Both are
+scored in *useful* output tokens per second (the sum of ``max_tokens``; a padded batch's extra
+tokens do not count).
+
+    python scripts/bench_throughput.py                      # CPU, default SmolLM2-135M
+    python scripts/bench_throughput.py --quick --threads 1  # smoke test
+    python scripts/bench_throughput.py --device cuda        # nano-vllm's exact setup (below)
+
+``--device cuda`` switches the defaults to nano-vllm's setup: Qwen3-0.6B architecture with random
+weights (``--random-weights qwen3-0.6b``), bf16, 256 sequences, 100-1024 input and output tokens,
+CUDA graphs on, max_model_len 4096. transformers then runs only the first ``--hf-seqs`` sequences
+(default 64 on CUDA: 16 sub-batches of up to 2k tokens would take many minutes), and its rate is
+that subset's useful tokens over its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (  # noqa: E402
+    add_common_args,
+    emit,
+    hf_generate,
+    load_transformers,
+    model_folder,
+    resolve_dtype_name,
+    set_threads,
+    timed,
+    workdir,
+)
+
+from nanokv_cli import LLM, SamplingParams  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--num-seqs", type=int, default=None, help="default 64 (CPU), 256 (CUDA)")
+    p.add_argument("--min-input", type=int, default=None, help="default 64 (CPU), 100 (CUDA)")
+    p.add_argument("--max-input", type=int, default=None, help="default 512 (CPU), 1024 (CUDA)")
+    p.add_argument("--min-output", type=int, default=None, help="default 64 (CPU), 100 (CUDA)")
+    p.add_argument("--max-output", type=int, default=None, help="default 256 (CPU), 1024 (CUDA)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers sub-batch size")
+    p.add_argument(
+        "--hf-seqs",
+        type=int,
+        default=None,
+        help="run transformers on the first N (default: all; 64 on CUDA)",
+    )
+    p.add_argument("--skip-hf", action="store_true", help="nanokv only")
+    p.add_argument("--block-size", type=int, default=None, help="nanokv block size (LLM default)")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="nanokv step budget (LLM default)"
+    )
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="nanokv CPU KV cache (default: LLM's)"
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    args = p.parse_args()
+    cuda = args.device.startswith("cuda")
+    if cuda and args.model is None and args.random_weights is None:
+        args.random_weights = "qwen3-0.6b"
+    defaults = (256, 100, 1024, 100, 1024) if cuda else (64, 64, 512, 64, 256)
+    if args.quick:
+        defaults = (16, 32, 128, 16, 64)
+    names = ("num_seqs", "min_input", "max_input", "min_output", "max_output")
+    for name, value in zip(names, defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.hf_seqs is None:
+        args.hf_seqs = 64 if cuda and not args.quick else args.num_seqs
+    return args
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    # nano-vllm's order of draws: every prompt first, then every max_tokens.
+    random.seed(0)
+    prompts = [
+        [random.randint(0, 9999) for _ in range(random.randint(args.min_input, args.max_input))]
+        for _ in range(args.num_seqs)
+    ]
+    max_tokens = [random.randint(args.min_output, args.max_output) for _ in range(args.num_seqs)]
+    return prompts, max_tokens
+
+
+def run_nanokv(args: argparse.Namespace, folder: str, prompts, max_tokens) -> dict:
+    kwargs = dict(dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager)
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_cache_gib:
+        kwargs["kv_cache_memory"] = int(args.kv_cache_gib * (1 << 30))
+    if args.device.startswith("cuda"):
+        kwargs["max_model_len"] = 4096
+    llm = LLM(folder, **kwargs)
+    params = [
+        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+        for n in max_tokens
+    ]
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4))  # warm-up, as nano-vllm's bench
+    stats = llm.engine.block_manager.stats
+    steps_before, preempted_before = llm.engine.num_steps, stats.preemptions
+    seconds, outs = timed(lambda: llm.generate(prompts, params), args.device)
+    generated = sum(len(o["token_ids"]) for o in outs)
+    assert generated == sum(max_tokens), "nanokv stopped a request early"
+    return {
+        "seconds": seconds,
+        "output_tokens": generated,
+        "tok_s": generated / seconds,
+        "steps": llm.engine.num_steps - steps_before,
+        "preemptions": stats.preemptions - preempted_before,
+        "num_blocks": llm.model_runner.num_blocks,
+        "block_size": llm.engine.block_size,
+        "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
+    }
+
+
+def run_transformers(args: argparse.Namespace, folder: str, prompts, max_tokens) -> dict:
+    dtype = resolve_dtype_name(args.dtype, args.device)
+    model = load_transformers(folder, dtype, args.device)
+    n = min(args.hf_seqs, len(prompts))
+    hf_generate(model, [prompts[0][:8]], 4, temperature=args.temperature, device=args.device)
+    total = 0.0
+    for start in range(0, n, args.hf_batch_size):
+        batch = prompts[start : min(n, start + args.hf_batch_size)]
+        longest = max(max_tokens[start : start + len(batch)])
+        seconds, _ = timed(
+            lambda b=batch, m=longest: hf_generate(
+                model, b, m, temperature=args.temperature, device=args.device
+            ),
+            args.device,
+        )
+        total += seconds
+    useful = sum(max_tokens[:n])
+    return {"seconds": total, "output_tokens": useful, "tok_s": useful / total, "seqs": n}
+
+
+def main() -> None:
+    args = parse_args()
+    threads = set_threads(args.threads)
+    prompts, max_tokens = workload(args)
+    with workdir() as tmp:
+        folder = model_folder(args, resolve_dtype_name(args.dtype, args.device), tmp)
+        nano = run_nanokv(args, folder, prompts, max_tokens)
+        hf = None if args.skip_hf else run_transformers(args, folder, prompts, max_tokens)
+    result = {
+        "benchmark": "throughput",
+        "device": args.device,
+        "threads": threads,
+        "model": args.random_weights or args.model or "default (SmolLM2-135M)",
+        "num_seqs": args.num_seqs,
+        "input_len": [args.min_input, args.max_input],
+        "output_len": [args.min_output, args.max_output],
+        "prompt_tokens": sum(map(len, prompts)),
+        "nanokv": nano,
+        "transformers": hf,
+        "ratio": None if hf is None else nano["tok_s"] / hf["tok_s"],
+    }
+    lines = [
+        f"workload: {args.num_seqs} seqs, {result['prompt_tokens']} prompt tokens, "
+        f"{nano['output_tokens']} output tokens; {nano['dtype']}, {args.device}, {threads} threads",
+        f"nanokv:       {nano['output_tokens']:6d} tok in {nano['seconds']:7.2f} s = "
+        f"{nano['tok_s']:8.1f} tok/s ({nano['steps']} steps, {nano['preemptions']} preemptions)",
+    ]
+    if hf is not None:
+        lines += [
+            f"transformers: {hf['output_tokens']:6d} tok in {hf['seconds']:7.2f} s = "
+            f"{hf['tok_s']:8.1f} tok/s (first {hf['seqs']} seqs, sub-batches of "
+            f"{args.hf_batch_size})",
+            f"ratio: {result['ratio']:.2f}x",
+        ]
+    emit(result, args.json, lines)
+
+
+if __name__ == "__main__":
+    main()

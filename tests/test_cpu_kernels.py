@@ -1,0 +1,223 @@
+"""The float32 CPU fast paths against their torch references.
+
+C kernels (layers/cpu_kernels.py): paged decode attention, residual add + RMSNorm, rotary,
+K/V stores, silu * mul. MKL-packed weights for 1-row inputs (layers/linear.py). And the runner
+with every fast path switched off, so the torch paths other machines take stay checked here.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tiny_models import make_tiny_model
+
+from nanokv_cli.engine.config import ModelConfig
+from nanokv_cli.engine.layers import cpu_kernels
+from nanokv_cli.engine.layers import linear as linear_layers
+from nanokv_cli.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from nanokv_cli.engine.model_runner import ModelRunner
+from nanokv_cli.engine.sampling_params import SamplingParams
+from nanokv_cli.engine.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale):
+    """SDPA over each sequence's gathered K/V, GQA by repeating KV heads."""
+    _, block_size, kv_heads, dim = k_cache.shape
+    group = q.shape[1] // kv_heads
+    rows_k, rows_v = k_cache.reshape(-1, kv_heads, dim), v_cache.reshape(-1, kv_heads, dim)
+    outs = []
+    for i, length in enumerate(lens.tolist()):
+        slots = (tables[i].unsqueeze(1) * block_size + torch.arange(block_size)).view(-1)[:length]
+        k = rows_k[slots].transpose(0, 1).repeat_interleave(group, 0)
+        v = rows_v[slots].transpose(0, 1).repeat_interleave(group, 0)
+        outs.append(F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale)[:, 0])
+    return torch.stack(outs)
+
+
+# (heads, kv_heads, head_dim, block_size): SmolLM2's shape, MHA with 128 dims, blocks of one
+# token, a head_dim that leaves a tail after the 64-wide vector loop, one that is no multiple of 8.
+SHAPES = [(9, 3, 64, 256), (4, 4, 128, 16), (8, 2, 16, 1), (6, 2, 72, 7), (4, 1, 20, 5)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_matches_sdpa_and_reads_only_the_context(
+    heads, kv_heads, dim, block_size, threads
+):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(heads * dim + block_size)
+    lens = torch.tensor([1, 3, 17, 40, 300][: 5 if block_size > 1 else 4])
+    width = -(-int(lens.max()) // block_size)
+    num_blocks = width * len(lens) + 3
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"))
+    v_cache = k_cache.clone()
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, length in enumerate(lens.tolist()):
+        used = -(-length // block_size)
+        tables[i, :used] = order[i * width : i * width + used]
+        for t in range(length):  # only the context is written; the rest stays NaN
+            block, offset = tables[i, t // block_size], t % block_size
+            k_cache[block, offset] = torch.randn(kv_heads, dim, generator=g)
+            v_cache[block, offset] = torch.randn(kv_heads, dim, generator=g)
+    # q and out as row slices of wider tensors, as the model passes them.
+    q = torch.randn(len(lens), heads + 2, dim, generator=g)[:, :heads]
+    out = torch.zeros(len(lens), heads + 1, dim)[:, :heads]
+    cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, dim**-0.5, out)
+    expected = reference_decode(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_transformers_formula(with_residual):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 96, generator=g) * 3
+    weight = torch.randn(96, generator=g)
+    residual = torch.randn(7, 96, generator=g) if with_residual else None
+    total = x + residual if with_residual else x
+    variance = total.pow(2).mean(-1, keepdim=True)
+    expected = weight * (total * torch.rsqrt(variance + 1e-6))
+    got = cpu_kernels.rms_norm(x, weight, 1e-6, residual)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    if with_residual:
+        assert torch.equal(residual, total)  # the sum is left in the residual stream
+
+
+def test_per_head_rms_norm_in_place_on_a_strided_view():
+    g = torch.Generator().manual_seed(2)
+    fused = torch.randn(5, 3 * 32 + 16, generator=g)
+    view = fused[:, : 3 * 32].view(5, 3, 32)  # token rows strided, heads packed
+    untouched = fused[:, 96:].clone()
+    weight = torch.randn(32, generator=g)
+    expected = F.rms_norm(view.clone(), (32,), weight, 1e-6)
+    cpu_kernels.rms_norm(view, weight, 1e-6, out=view)
+    torch.testing.assert_close(view, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(fused[:, 96:], untouched)
+
+
+def test_rotary_in_place_equals_torch_rotation():
+    rope = RotaryEmbedding(head_dim=64, max_position=512, base=10000.0)
+    g = torch.Generator().manual_seed(3)
+    fused = torch.randn(6, 5 * 64 + 64, generator=g)
+    positions = torch.tensor([0, 1, 7, 100, 311, 511])
+    cos, sin = rope.lookup(positions, torch.float32)
+    expected = apply_rotary(fused[:, : 5 * 64].view(6, 5, 64), cos, sin)
+    cpu_kernels.rotary_(fused[:, : 5 * 64].view(6, 5, 64), rope.cos_sin, positions)
+    # Same products and sums, no FMA contraction: the same floats.
+    assert torch.equal(fused[:, : 5 * 64].view(6, 5, 64), expected)
+
+
+def test_store_kv_writes_each_row_to_its_slot():
+    fused = torch.arange(4 * 30, dtype=torch.float32).view(4, 30)
+    k, v = fused[:, :12].view(4, 2, 6), fused[:, 12:24].view(4, 2, 6)
+    k_cache, v_cache = torch.zeros(3, 4, 2, 6), torch.zeros(3, 4, 2, 6)
+    slots = torch.tensor([11, 0, 5, 6])
+    cpu_kernels.store_kv(k, v, slots, k_cache, v_cache)
+    assert torch.equal(k_cache.view(-1, 2, 6)[slots], k)
+    assert torch.equal(v_cache.view(-1, 2, 6)[slots], v)
+    assert k_cache.view(-1, 2, 6)[[1, 2, 3, 4, 7]].abs().sum() == 0
+
+
+def test_silu_mul_matches_torch():
+    x = torch.randn(9, 2 * 50, generator=torch.Generator().manual_seed(4)) * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
+    gate, up = x.chunk(2, -1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(x), F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("NANOKV_CPU_KERNELS", "0")
+    assert cpu_kernels._library.__wrapped__() is None
+
+
+@pytest.mark.skipif(
+    not linear_layers.single_row_packing_available(), reason="torch built without MKL"
+)
+def test_packed_weight_serves_single_rows_only():
+    g = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(1024, 96, generator=g), torch.randn(1024, generator=g)
+    packed = linear_layers.pack_for_single_row(weight)
+    one = torch.randn(1, 96, generator=g)
+    many = torch.randn(3, 96, generator=g)
+    torch.testing.assert_close(
+        linear_layers.linear(one, weight, bias, packed), F.linear(one, weight, bias)
+    )
+    assert torch.equal(
+        linear_layers.linear(many, weight, bias, packed), F.linear(many, weight, bias)
+    )
+    assert linear_layers.worth_packing(weight)
+    assert not linear_layers.worth_packing(weight.t().contiguous())  # narrow output: slower
+
+
+# -- the runner with and without its fast paths -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = make_tiny_model("qwen3", Path(tmp_path_factory.mktemp("tiny")) / "qwen3")
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    return config, load_file(str(folder / "model.safetensors"))
+
+
+def greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int) -> tuple[list, list]:
+    """Prefill all prompts in one step, then decode them together; tokens and last logits."""
+    seqs = [
+        Sequence(p, SamplingParams(temperature=0.0), block_size=runner.block_size) for p in prompts
+    ]
+    next_block = 0
+    for seq in seqs:
+        need = -(-(len(seq) + steps) // runner.block_size)
+        seq.block_table = list(range(next_block, next_block + need))
+        next_block += need
+        seq.num_scheduled_tokens = len(seq)
+    logits = None
+    for _ in range(steps):
+        logits = runner.run_logits(seqs)
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.append_token(token)
+            seq.num_scheduled_tokens = 1
+    return [s.completion_token_ids for s in seqs], logits
+
+
+def without_fast_paths(runner: ModelRunner) -> ModelRunner:
+    runner.use_cpu_kernel = False
+    for module in runner.model.modules():
+        if hasattr(type(module), "cpu_kernels"):
+            module.cpu_kernels = False
+        if getattr(module, "packed_row", None) is not None:
+            module.packed_row = None
+    return runner
+
+
+def test_runner_fast_paths_agree_with_the_torch_paths(qwen3, monkeypatch):
+    config, weights = qwen3
+    # Pack every projection, so the 1-row packed path runs in the decode steps below.
+    monkeypatch.setattr("nanokv_cli.engine.model_runner.worth_packing", lambda w: True)
+
+    def make():
+        return ModelRunner(
+            config, weights, block_size=16, num_blocks=64, dtype="float32", device="cpu"
+        )
+
+    fast = make()
+    assert fast.use_cpu_kernel and fast.packed_weight_bytes > 0
+    prompts = [[(i * 7 + j * 3) % 250 + 3 for i in range(n)] for j, n in enumerate((1, 19, 40))]
+    for batch in (prompts, prompts[1:2]):  # a batch, and one sequence (1-row matmuls)
+        fast_tokens, fast_logits = greedy_run(fast, batch, 6)
+        slow_tokens, slow_logits = greedy_run(without_fast_paths(make()), batch, 6)
+        assert fast_tokens == slow_tokens
+        torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=0)
