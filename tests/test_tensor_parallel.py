@@ -319,46 +319,6 @@ def test_bad_sizes_are_rejected(size):
 # -- an existing process group (as torchrun makes) ----------------------------------------------
 
 
-def _torchrun_rank(rank: int, port: int, path: str, out: str) -> None:
-    """One rank as torchrun starts it: env:// variables set, no process group yet."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-    )
-    torch.set_num_threads(1)
-    results = []
-    for initialized_by_user in (False, True):
-        if initialized_by_user:
-            dist.init_process_group("gloo", init_method="env://")
-        llm = LLM(path, tensor_parallel_size=2, **SMALL)  # ranks > 0 serve until rank 0 is done
-        if llm.rank == 0:
-            assert llm.executor.worker_pids == []
-            results.append(greedy(llm, prompts()))
-        else:
-            with pytest.raises(RuntimeError, match="only rank 0 generates"):
-                llm.generate([[1, 2, 3]])
-        llm.shutdown()
-        assert dist.is_initialized() == initialized_by_user  # only its own group is destroyed
-    dist.destroy_process_group()
-    if rank == 0:
-        torch.save(results, out)
-
-
-def test_runs_on_the_ranks_a_launcher_started(root, tmp_path):
-    """As under torchrun: every rank runs the same code, nothing is spawned, rank 0 generates."""
-    path = model_dir("llama", root)
-    expected = greedy(LLM(path, **SMALL), prompts())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "rank0.pt")
-    torch.multiprocessing.spawn(_torchrun_rank, args=(port, path, out), nprocs=2, join=True)
-    assert torch.load(out) == [expected, expected]
-
-
 def test_launcher_world_size_must_match(monkeypatch):
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="1", RANK="0", WORLD_SIZE="4")
     for name, value in env.items():
