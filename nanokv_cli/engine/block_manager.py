@@ -76,12 +76,6 @@ class FreeBlockQueue:
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._queue
 
-    def __getitem__(self, i: int) -> int:
-        # Only the head is cheap; other positions exist for tests and debugging.
-        if i == 0:
-            return next(iter(self._queue))
-        return list(self._queue)[i]
-
     def __repr__(self) -> str:
         return f"FreeBlockQueue({list(self._queue)})"
 

@@ -89,7 +89,3 @@ def read_mooncake(path: str | Path, limit: int | None = None) -> Iterator[Moonca
                 return
             yield parse_mooncake_line(text, lineno)
             n += 1
-
-
-def is_mooncake_record(d: object) -> bool:
-    return isinstance(d, dict) and all(k in d for k in _KEYS)
