@@ -351,3 +351,21 @@ def test_sequence_fields():
     assert seq.completion_token_ids == [4] and seq.last_token == 4
     other = Sequence([1], block_size=16)
     assert other.seq_id > seq.seq_id and other.block_size == 16 and seq.block_size == 2
+
+
+def test_reset_prefix_cache_forgets_every_hash_and_says_so():
+    events = []
+    bm = BlockManager(num_blocks=4, block_size=2, on_event=events.append)
+    a = seq_of(range(5), block_size=2)
+    admit(bm, a)
+    compute(bm, a)
+    bm.deallocate(a)
+    assert bm.num_cached_free_blocks == 2
+    bm.reset_prefix_cache()
+    assert bm.hash_to_block_id == {} and bm.num_cached_free_blocks == 0
+    assert bm.can_allocate(seq_of(range(5), block_size=2)) == 0
+    state = CacheState(4)
+    for e in events:
+        state.apply(e)
+    assert state.block_hash == [-1] * 4
+    bm.check_invariants([])
