@@ -195,6 +195,7 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int) -> tup
 
 def without_fast_paths(runner: ModelRunner) -> ModelRunner:
     runner.use_cpu_kernel = False
+    runner.cpu_decoder = None
     for module in runner.model.modules():
         if hasattr(type(module), "cpu_kernels"):
             module.cpu_kernels = False
@@ -221,3 +222,57 @@ def test_runner_fast_paths_agree_with_the_torch_paths(qwen3, monkeypatch):
         slow_tokens, slow_logits = greedy_run(without_fast_paths(make()), batch, 6)
         assert fast_tokens == slow_tokens
         torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=0)
+
+
+# -- the whole-decoder C step -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_archs(tmp_path_factory):
+    root = Path(tmp_path_factory.mktemp("archs"))
+    models = {}
+    for arch in ("llama", "qwen2", "qwen3"):  # plain, q/k/v bias, per-head q/k norms
+        folder = make_tiny_model(arch, root / arch)
+        config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        models[arch] = (config, load_file(str(folder / "model.safetensors")))
+    return models
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # None: float32 weights
+def test_decode_step_in_one_call_matches_the_layer_by_layer_path(
+    tiny_archs, arch, quantization, monkeypatch
+):
+    config, weights = tiny_archs[arch]
+    calls = []
+    real = cpu_kernels.decode_step
+    monkeypatch.setattr(cpu_kernels, "decode_step", lambda *a: calls.append(1) or real(*a))
+
+    def make(fused: bool) -> ModelRunner:
+        runner = ModelRunner(
+            config,
+            weights,
+            block_size=8,
+            num_blocks=64,
+            dtype="float32",
+            device="cpu",
+            quantization=quantization,
+        )
+        # Built for quantized weights only (float32 ones are faster layer by layer), but the
+        # C step takes float32 weights too: layers without a quantized twin use them.
+        assert (runner.cpu_decoder is not None) == (quantization is not None)
+        runner.cpu_decoder = runner.model.cpu_decoder() if fused else None
+        return runner
+
+    # Contexts crossing block edges; 1, 3 and 5 sequences (the kernels' row tiles of 1-4).
+    prompts = [
+        [(i * 5 + j * 11) % 250 + 3 for i in range(n)] for j, n in enumerate((1, 9, 30, 17, 8))
+    ]
+    for batch in (prompts[2:3], prompts[:3], prompts):
+        calls.clear()
+        fused_tokens, fused_logits = greedy_run(make(True), batch, 5)
+        assert len(calls) == 4  # every step after the prefill
+        layered_tokens, layered_logits = greedy_run(make(False), batch, 5)
+        assert fused_tokens == layered_tokens
+        # Same kernels, same order of operations per row: equal up to summation order.
+        torch.testing.assert_close(fused_logits, layered_logits, atol=1e-4, rtol=1e-4)

@@ -36,9 +36,15 @@ def hf_greedy(path: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def prompts_with_shared_prefix(n: int = 4, prefix_len: int = 37) -> list[list[int]]:
@@ -90,8 +96,10 @@ def test_second_round_hits_the_prefix_cache_and_stays_exact(root):
 
 def test_text_prompts_and_per_request_params(root):
     llm = LLM(model_dir("llama", root), dtype="float32", device="cpu", block_size=16, num_blocks=32)
-    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=0.8, max_tokens=5, seed=7, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.8, max_tokens=5, seed=7, ignore_eos=True),
+    ]
     outs = llm.generate(["hello world", "the cache"], params)
     assert [len(o["token_ids"]) for o in outs] == [3, 5]
     again = llm.generate(["the cache"], params[1])

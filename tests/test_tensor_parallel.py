@@ -334,8 +334,23 @@ def test_cli_flag_runs_two_ranks_and_reports_indivisible_shapes(root, cleanup):
     from nanokv_cli.cli import app
 
     path = model_dir("llama", root)
-    args = ["generate", "hello", "--model", path, "--max-tokens", "4", "--no-live", "--json",
-            "--dtype", "float32", "--ignore-eos", "--num-blocks", "16", "--block-size", "16"]
+    args = [
+        "generate",
+        "hello",
+        "--model",
+        path,
+        "--max-tokens",
+        "4",
+        "--no-live",
+        "--json",
+        "--dtype",
+        "float32",
+        "--ignore-eos",
+        "--num-blocks",
+        "16",
+        "--block-size",
+        "16",
+    ]
     one = CliRunner().invoke(app, args)
     two = CliRunner().invoke(app, args + ["--tensor-parallel-size", "2"])
     assert one.exit_code == 0 and two.exit_code == 0, two.output

@@ -16,7 +16,7 @@ fused norms, rotary, K/V stores, silu * mul), and MKL-packed copies of the wide 
 import ctypes
 import platform
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -36,8 +36,9 @@ from .layers.attention import (
 )
 from .layers.linear import pack_for_single_row, single_row_packing_available, worth_packing
 from .layers.tp import tp_rank, tp_size
+from .loader import QuantizedTensor
 from .models import build_model, load_weights
-from .quantize import check_quantization, quantize_model
+from .quantize import attach_file_blocks, check_quantization, quantize_model
 from .sampler import Sampler
 from .sequence import Sequence
 
@@ -51,6 +52,10 @@ MAX_CPU_KV_CACHE_MEMORY = 4 << 30
 
 # At most this many bytes of MKL-packed weight copies for single-row decode (see _pack_weights).
 MAX_PACKED_WEIGHT_BYTES = 1 << 30
+
+# Decode steps of fewer rows than this run as one C call over the whole decoder, whose
+# matrix-vector kernels beat MKL's GEMM on few rows (scripts/BENCHMARKS.md).
+FUSED_DECODE_MAX_ROWS = 16
 
 # Decode queries are split into at most this many length buckets of at least this many
 # sequences: a bucket is padded to its own longest context, and each bucket costs one gather
@@ -182,6 +187,7 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         quantization: str | None = None,
+        quantized_blocks: Mapping[str, QuantizedTensor] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -198,7 +204,11 @@ class ModelRunner:
             keep_freed_memory()
         with _default_dtype(self.dtype), self.device:
             self.model = build_model(config, max_position=max_model_len)
-        if self.quantization is None:
+        if self.quantization == "auto":  # float weights, plus the file's blocks for few rows
+            load_weights(self.model, weights)
+            if not attach_file_blocks(self.model, quantized_blocks or {}):
+                self.quantization = None
+        elif self.quantization is None:
             load_weights(self.model, weights)
         else:  # weight-only int8/int4 layers in place of the float ones (quantize.py)
             quantize_model(self.model, self.quantization, weights)
@@ -229,6 +239,14 @@ class ModelRunner:
             num_blocks, kv_cache_memory, gpu_memory_utilization
         )
         self.kv_cache = self._allocate_kv_cache()
+        # Decode steps of few sequences run the whole decoder in one C call (cpu_kernels.c)
+        # over quantized weights. Float32 weights stay on the layer-by-layer path: there MKL's
+        # packed GEMV reads them faster than the C kernel does (scripts/BENCHMARKS.md).
+        self.cpu_decoder = (
+            self.model.cpu_decoder()
+            if self.use_cpu_kernel and self.tp_size == 1 and self.quantization is not None
+            else None
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_cuda_graph:
             self._capture_cuda_graphs()
@@ -260,6 +278,8 @@ class ModelRunner:
         for module in self.model.modules():
             weight = getattr(module, "weight", None)
             if not hasattr(module, "packed_row") or weight is None or not worth_packing(weight):
+                continue
+            if getattr(module, "quantized", None) is not None:  # few rows go to its twin
                 continue
             size = weight.numel() * weight.element_size()
             if added + size > MAX_PACKED_WEIGHT_BYTES:
@@ -375,6 +395,22 @@ class ModelRunner:
         self.sampler.forget(seq_id)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
+        paged = batch.meta.paged_decode
+        if (
+            self.cpu_decoder is not None
+            and not batch.meta.prefills
+            and paged is not None
+            and len(batch.input_ids) < FUSED_DECODE_MAX_ROWS
+        ):
+            hidden = self.model.model.embed_tokens(batch.input_ids).contiguous()
+            return cpu_kernels.decode_step(
+                self.cpu_decoder,
+                hidden,
+                batch.positions,
+                batch.meta.slot_mapping,
+                paged.block_tables,
+                paged.context_lens,
+            )
         flash = batch.meta.flash
         if self.graphs and flash is not None and flash.decode_only:
             if len(batch.input_ids) <= self.graph_sizes[-1]:

@@ -1,30 +1,27 @@
 """Weight-only quantization of a built model for CPU inference (``--quantization int8|int4``).
 
 At batch 1 a CPU decode step is bound by the bytes of weights it streams, so keeping them in 8
-or 4 bits instead of 32 makes each step cheaper (``layers/quant.py`` has the kernels and their
-measurements). ``quantize_model`` replaces a freshly built model's linear projections, LM head
-and token embedding with ``QuantizedLinear`` modules in place, then loads the remaining float
-parameters (norms); the float linear parameters the model was built with were never written,
-so they are freed without having taken memory.
+or 4 bits instead of 32 makes each step cheaper (``layers/quant.py`` has the formats,
+``layers/cpu_kernels.c`` the kernels). ``quantize_model`` replaces a freshly built model's
+linear projections, LM head and token embedding with ``QuantizedLinear`` modules in place, then
+loads the remaining float parameters (norms); the float linear parameters the model was built
+with were never written, so they are freed without having taken memory.
 
 Modes:
 
-- ``int8``: projections, LM head and embedding table in per-channel int8.
-- ``int4``: projections in 4-bit groups of 32 (asymmetric, as GGUF's Q4_1); the LM head and
-  embedding table in int8 (a 4-bit head moves next-token distributions ~40x more than an int8
-  one, measured on the default model).
+- ``int8``: projections, LM head and embedding table in int8 groups of 32 (Q8_0).
+- ``int4``: projections in 4-bit groups of 32 (Q4_1); the LM head and embedding table in int8
+  (a 4-bit head moves next-token distributions ~40x more than an int8 one, measured on the
+  default model).
 
-From a GGUF file, Q4_0 and Q4_1 tensors become int4 layers exactly (``with_gguf_blocks``), in
-either mode: those are the file's own weights, and requantizing them to per-channel int8 would
-only add error (on the default model, next-token KL 7.7e-3 against 2.5e-3, and slower). Every
-other tensor (Q8_0, K-quants, floats) is quantized from its float values.
+A GGUF file's own blocks are taken as they are wherever the format matches (Q8_0 in int8,
+Q4_0/Q4_1 in int4, in either mode: requantizing a file's 4-bit weights to 8 bits only adds
+error); every other tensor is quantized from its float values. A projection whose input size
+is not a multiple of 32 stays in float32.
 
-A weight whose shape the int4 kernel cannot tile (``in_features % 32`` or ``out_features % 16``)
-falls back to int8. Batches of many rows (prefills, large decode batches) dequantize in chunks
-and run a float32 GEMM (``QuantizedLinear.dense_min_rows``) with no resident float copy; as that
-dequantizes every weight each step, the linear layers cost 20-55% more than the float model's
-at 32-128 rows (AVX2, scripts/profile_quant.py). Hence quantization serves single sequences and
-small memory, and is off by default. CPU only, one tensor-parallel rank.
+Batches of many rows (prefills, large decode batches) dequantize in chunks and run a float32
+GEMM (``QuantizedLinear.dense_min_rows``) with no resident float copy. CPU only, one
+tensor-parallel rank, and the C kernels must build (a C compiler).
 """
 
 from __future__ import annotations
@@ -37,16 +34,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from .layers import cpu_kernels
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import LinearBase
 from .layers.quant import GROUP_SIZE, QuantizedEmbedding, QuantizedLinear
 from .loader import QuantizedTensor, load_gguf_quantized
 from .models import load_weights
 
-QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "int8", "int4")
+QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8", "int4")
 HEAD_MODE = "int8"
-# GGML types the int4 kernel's format holds exactly (gguf.GGMLQuantizationType Q4_0, Q4_1).
+# GGML types held exactly (gguf.GGMLQuantizationType Q4_0, Q4_1; Q8_0).
 _EXACT_INT4_TYPES = frozenset({2, 3})
+_EXACT_INT8_TYPES = frozenset({8})
 
 Weight = torch.Tensor | QuantizedTensor
 
@@ -66,14 +65,29 @@ def parse_quantization(value: str | None) -> str | None:
 def check_quantization(
     value: str | None, device: torch.device | str, tensor_parallel_size: int = 1
 ) -> str | None:
-    """``parse_quantization``, refusing what the quantized kernels cannot run on."""
+    """``parse_quantization``, refusing what the quantized kernels cannot run on.
+
+    ``"auto"`` is never refused: where its kernels cannot run it means no quantization.
+    """
     mode = parse_quantization(value)
+    if mode == "auto":
+        usable = (
+            torch.device(device).type == "cpu"
+            and tensor_parallel_size == 1
+            and cpu_kernels.available()
+        )
+        return mode if usable else None
     if mode is None:
         return None
     if torch.device(device).type != "cpu":
         raise ValueError(
-            f"quantization {mode!r} runs on the CPU only (its kernels are PyTorch's CPU "
-            f"weight-only ones), not on {device}: drop --quantization or use --device cpu"
+            f"quantization {mode!r} runs on the CPU only (its kernels are nanokv's C ones), "
+            f"not on {device}: drop --quantization or use --device cpu"
+        )
+    if not cpu_kernels.available():
+        raise ValueError(
+            f"quantization {mode!r} needs nanokv's C kernels, which could not be built here "
+            "(no C compiler found, or NANOKV_CPU_KERNELS=0)"
         )
     if tensor_parallel_size != 1:
         raise ValueError(
@@ -83,19 +97,64 @@ def check_quantization(
     return mode
 
 
+def file_blocks(gguf_path: str) -> dict[str, QuantizedTensor]:
+    """The GGUF file's weights whose blocks nanokv's kernels hold exactly (Q4_0, Q4_1, Q8_0)."""
+    return {
+        name: block
+        for name, block in load_gguf_quantized(gguf_path).items()
+        if _exact_int4(block) or block.qtype in _EXACT_INT8_TYPES
+    }
+
+
+def attach_file_blocks(model: nn.Module, blocks: Mapping[str, QuantizedTensor]) -> int:
+    """``--quantization auto``: give the loaded float model's projections and LM head a
+    quantized twin made of the file's own blocks, for steps of few rows; returns how many.
+
+    The float weights are the same blocks dequantized, so both paths compute with the same
+    weights; the twin only rounds its inputs to int8 per 32 values (as llama.cpp does). A
+    projection whose parts are not all exact blocks of one format keeps only its float path.
+    """
+    packed = _packed_parts(model)
+    attached = 0
+    for path, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            parent, _, name = path.rpartition(".")
+            prefix = f"{parent}." if parent else ""
+            names = [f"{prefix}{part}.weight" for part in packed.get(name, [name])]
+        elif isinstance(module, ParallelLMHead):
+            tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+            names = ["model.embed_tokens.weight" if tied else f"{path}.weight"]
+        else:
+            continue
+        parts = [blocks.get(n) for n in names]
+        if any(p is None for p in parts):
+            continue
+        if all(_exact_int4(p) for p in parts):
+            mode = "int4"
+        elif all(p.qtype in _EXACT_INT8_TYPES for p in parts):
+            mode = "int8"
+        else:
+            continue
+        bias = getattr(module, "bias", None)
+        head = isinstance(module, ParallelLMHead) and mode == "int8"  # see float_inputs
+        module.quantized = QuantizedLinear.from_parts(parts, mode, bias, float_inputs=head)
+        attached += 1
+    return attached
+
+
 def with_gguf_blocks(
     weights: Mapping[str, torch.Tensor], gguf_path: str, mode: str
 ) -> dict[str, Weight]:
-    """``weights`` with the GGUF file's Q4_0/Q4_1 blocks in place of their float values.
+    """``weights`` with the GGUF file's Q4_0/Q4_1/Q8_0 blocks in place of their float values.
 
-    Those convert to int4 exactly; every other conversion requantizes the dequantized values,
-    which the float weights already are.
+    Those are taken exactly; every other conversion quantizes the dequantized values, which the
+    float weights already are.
     """
     merged: dict[str, Weight] = dict(weights)
     if parse_quantization(mode) is None:
         return merged
     for name, block in load_gguf_quantized(gguf_path).items():
-        if _exact_int4(block):
+        if _exact_int4(block) or block.qtype in _EXACT_INT8_TYPES:
             merged[name] = block
     return merged
 
@@ -112,7 +171,8 @@ def quantize_model(model: nn.Module, mode: str, weights: Mapping[str, Weight]) -
     packed = _packed_parts(model)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
     for path, module in linears:
-        _replace(model, path, _quantized_linear(path, module, mode, weights, packed))
+        if module.weight.shape[1] % GROUP_SIZE == 0:  # else it stays float (loaded below)
+            _replace(model, path, _quantized_linear(path, module, mode, weights, packed))
     _quantize_vocab(model, weights)
     load_weights(model, weights)  # what is left: norms (and anything else not quantized)
     _release_freed_memory()
@@ -164,7 +224,7 @@ def _quantized_linear(
         bias = torch.cat([_weight(weights, f"{n}.bias").float() for n in names])
     if all(_exact_int4(p) for p in parts):
         mode = "int4"
-    return QuantizedLinear.from_parts(parts, _fitting_mode(mode, shapes), bias)
+    return QuantizedLinear.from_parts(parts, mode, bias)
 
 
 def _quantize_vocab(model: nn.Module, weights: Mapping[str, Weight]) -> None:
@@ -182,7 +242,9 @@ def _quantize_vocab(model: nn.Module, weights: Mapping[str, Weight]) -> None:
     def table(name: str) -> QuantizedLinear:
         if name not in tables:
             part = _weight(weights, name)
-            tables[name] = QuantizedLinear.from_parts([part], _vocab_mode(part))
+            mode = _vocab_mode(part)
+            # As the LM head, unrounded inputs (see QuantizedLinear.float_inputs).
+            tables[name] = QuantizedLinear.from_parts([part], mode, float_inputs=mode == "int8")
         return tables[name]
 
     embed_names = {path: f"{path}.weight" for path, _ in embeddings}
@@ -194,18 +256,11 @@ def _quantize_vocab(model: nn.Module, weights: Mapping[str, Weight]) -> None:
 
 
 def _vocab_mode(part: Weight) -> str:
-    return _fitting_mode("int4", [part.shape]) if _exact_int4(part) else HEAD_MODE
+    return "int4" if _exact_int4(part) else HEAD_MODE
 
 
 def _exact_int4(part: Weight) -> bool:
     return isinstance(part, QuantizedTensor) and part.qtype in _EXACT_INT4_TYPES
-
-
-def _fitting_mode(mode: str, shapes: list[tuple[int, ...]]) -> str:
-    """``mode``, or int8 when the int4 kernel cannot tile one of the fused parts."""
-    if mode == "int4" and any(rows % 16 or cols % GROUP_SIZE for rows, cols in shapes):
-        return "int8"
-    return mode
 
 
 class _TypedEmbedding(QuantizedEmbedding):

@@ -36,234 +36,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
-/* exp(x) for x <= 88, Cephes-style 2^n * p(r) in plain arithmetic, so the loops around it
-   vectorise; relative error ~1e-7; below -87 it returns ~exp(-87). */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    union { int32_t i; float f; } two_n;
-    two_n.i = ((int32_t)n + 127) << 23;
-    return p * two_n.f;
-}
-
-/* exp(x) for any float x: saturates outside [-87, 88]. */
-static inline float exp_any(float x) { return exp_clamped(x > 88.0f ? 88.0f : x); }
-
-/* Row r of a [outer, inner, dim] view with rows of dim contiguous: outer stride given. */
-#define ROW(base, r, inner, outer_stride, dim) \
-    ((base) + ((r) / (inner)) * (outer_stride) + ((r) % (inner)) * (dim))
-
-/* RMSNorm over rows of dim, optionally after a residual add:
-   with residual: residual[r] += x[r], out[r] = norm(residual[r]) * w; else out[r] = norm(x[r]) * w.
-   Rows are addressed as [outer, inner, dim] (inner = heads for per-head norms, else 1);
-   out may be x. Sum of squares in float32, as torch's mean. */
-void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
-                  const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,
-                  float *out, int64_t out_stride, int threads) {
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * dim >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = ROW(x, r, inner, x_stride, dim);
-        float *orow = ROW(out, r, inner, out_stride, dim);
-        const float *src = xr;
-        if (residual != NULL) {
-            float *res = ROW(residual, r, inner, residual_stride, dim);
-            #pragma omp simd
-            for (int64_t d = 0; d < dim; d++) res[d] = xr[d] + res[d];
-            src = res;
-        }
-        float squares = 0.0f;
-        #pragma omp simd reduction(+:squares)
-        for (int64_t d = 0; d < dim; d++) squares += src[d] * src[d];
-        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
-        #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) orow[d] = w[d] * (src[d] * inv);
-    }
-}
-
-/* Rotary embedding in place on x [n, heads, dim] (token stride x_stride, heads contiguous),
-   half-split layout: table[pos] = [cos duplicated | sin with the first half negated]. */
-void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
-                const float *table, const int64_t *positions, int threads) {
-    const int64_t half = dim / 2;
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && n * heads * dim >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float *cs = table + positions[i] * 2 * dim, *sn = cs + dim;
-        for (int64_t h = 0; h < heads; h++) {
-            float *v = x + i * x_stride + h * dim;
-            #pragma omp simd
-            for (int64_t d = 0; d < half; d++) {
-                const float x1 = v[d], x2 = v[d + half];
-                v[d] = x1 * cs[d] + x2 * sn[d];
-                v[d + half] = x2 * cs[d + half] + x1 * sn[d + half];
-            }
-        }
-    }
-}
-
-/* k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i]; rows of `row` floats, token strides given. */
-void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                  const int64_t *slots, int64_t n, int64_t row, float *k_cache, float *v_cache) {
-    for (int64_t i = 0; i < n; i++) {
-        memcpy(k_cache + slots[i] * row, k + i * k_stride, sizeof(float) * row);
-        memcpy(v_cache + slots[i] * row, v + i * v_stride, sizeof(float) * row);
-    }
-}
-
-/* out[i] = silu(x[i, :inter]) * x[i, inter:], x [n, 2 * inter] contiguous, out [n, inter]. */
-void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads) {
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && n * inter >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float *gate = x + i * 2 * inter, *up = gate + inter;
-        float *o = out + i * inter;
-        #pragma omp simd
-        for (int64_t d = 0; d < inter; d++) o[d] = gate[d] / (1.0f + exp_any(-gate[d])) * up[d];
-    }
-}
-
-/* scores[t] = scale * (q . k_t), k_t = k + t * stride, t < m */
-static void key_scores(const float *q, const float *k, int64_t stride, int64_t m, int64_t dim,
-                       float scale, float *scores) {
-    int64_t t = 0;
-#ifdef __AVX2__
-    if (dim % 8 == 0) {
-        const __m256 vscale = _mm256_set1_ps(scale);
-        for (; t + 8 <= m; t += 8) {
-            const float *k0 = k + t * stride;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (int64_t d = 0; d < dim; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + stride + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * stride + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * stride + d), a3);
-                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 4 * stride + d), a4);
-                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 5 * stride + d), a5);
-                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 6 * stride + d), a6);
-                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 7 * stride + d), a7);
-            }
-            /* Horizontal sums of the eight accumulators, as one vector of eight scores. */
-            const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
-                                              _mm256_permute2f128_ps(h0, h1, 0x31));
-            _mm256_storeu_ps(scores + t, _mm256_mul_ps(sums, vscale));
-        }
-    }
-#endif
-    for (; t < m; t++) {
-        const float *kt = k + t * stride;
-        float s = 0.0f;
-        for (int64_t d = 0; d < dim; d++) s += q[d] * kt[d];
-        scores[t] = s * scale;
-    }
-}
-
-/* acc[d] += sum_t p[t] * v_t[d], v_t = v + t * stride, t < m */
-static void weighted_values(const float *p, const float *v, int64_t stride, int64_t m,
-                            int64_t dim, float *acc) {
-    int64_t d0 = 0;
-#ifdef __AVX2__
-    for (; d0 + 64 <= dim; d0 += 64) {
-        float *a = acc + d0;
-        __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
-        __m256 a2 = _mm256_loadu_ps(a + 16), a3 = _mm256_loadu_ps(a + 24);
-        __m256 a4 = _mm256_loadu_ps(a + 32), a5 = _mm256_loadu_ps(a + 40);
-        __m256 a6 = _mm256_loadu_ps(a + 48), a7 = _mm256_loadu_ps(a + 56);
-        for (int64_t t = 0; t < m; t++) {
-            const float *vt = v + t * stride + d0;
-            const __m256 pt = _mm256_set1_ps(p[t]);
-            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
-            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
-            a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
-            a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
-            a4 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 32), a4);
-            a5 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 40), a5);
-            a6 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 48), a6);
-            a7 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 56), a7);
-        }
-        _mm256_storeu_ps(a, a0); _mm256_storeu_ps(a + 8, a1);
-        _mm256_storeu_ps(a + 16, a2); _mm256_storeu_ps(a + 24, a3);
-        _mm256_storeu_ps(a + 32, a4); _mm256_storeu_ps(a + 40, a5);
-        _mm256_storeu_ps(a + 48, a6); _mm256_storeu_ps(a + 56, a7);
-    }
-#endif
-    for (int64_t t = 0; t < m; t++) {
-        const float *vt = v + t * stride;
-        const float pt = p[t];
-        for (int64_t d = d0; d < dim; d++) acc[d] += pt * vt[d];
-    }
-}
-
-/* One query token per sequence: q [n, heads, dim] (token stride q_stride), caches
-   [num_blocks, block_size, kv_heads, dim], block_tables [n, width], out [n, heads, dim]
-   (token stride out_stride). Sequence i attends to its first context_lens[i] positions. */
-int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
-                     const float *v_cache, const int64_t *block_tables,
-                     const int64_t *context_lens, int64_t n, int64_t width, int64_t heads,
-                     int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                     float *out, int64_t out_stride, int threads) {
-    const int64_t group = heads / kv_heads, slot = kv_heads * dim;
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < n; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
-    int failed = 0;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && n * heads > 1)
-    {
-        float *scores = malloc(sizeof(float) * (max_len + 8));
-        if (scores == NULL) {
-            failed = 1;
-        } else {
-            #pragma omp for schedule(dynamic, 4)
-            for (int64_t item = 0; item < n * heads; item++) {
-                const int64_t i = item / heads, head = item % heads, h = head / group;
-                const int64_t len = context_lens[i];
-                const int64_t *table = block_tables + i * width;
-                const float *qi = q + i * q_stride + head * dim;
-                float *oi = out + i * out_stride + head * dim;
-                for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                    const int64_t m = len - t0 < block_size ? len - t0 : block_size;
-                    const float *k = k_cache + (table[t0 / block_size] * block_size * kv_heads + h) * dim;
-                    key_scores(qi, k, slot, m, dim, scale, scores + t0);
-                }
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t t = 0; t < len; t++) top = scores[t] > top ? scores[t] : top;
-                #pragma omp simd reduction(+:total)
-                for (int64_t t = 0; t < len; t++) {
-                    scores[t] = exp_clamped(scores[t] - top);
-                    total += scores[t];
-                }
-                memset(oi, 0, sizeof(float) * dim);
-                for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                    const int64_t m = len - t0 < block_size ? len - t0 : block_size;
-                    const float *v = v_cache + (table[t0 / block_size] * block_size * kv_heads + h) * dim;
-                    weighted_values(scores + t0, v, slot, m, dim, oi);
-                }
-                const float inv = 1.0f / total;
-                for (int64_t d = 0; d < dim; d++) oi[d] *= inv;
-            }
-            free(scores);
-        }
-    }
-    return failed;
-}
-"""
+_SOURCE_FILE = Path(__file__).with_name("cpu_kernels.c")
 
 # Tried in order: the first that compiles wins. -march=native is safe because the library is
 # cached per CPU (see _library_path); without OpenMP the kernels run on one thread.
@@ -279,6 +52,58 @@ _COMMON_FLAGS = ["-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "
 _ENV_SWITCH = "NANOKV_CPU_KERNELS"
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+# Weight storage kinds of the C ``Linear`` (see cpu_kernels.c).
+LINEAR_F32, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_FLOAT_INPUT = 0, 1, 2, 3
+
+
+class LinearSpec(ctypes.Structure):
+    """A linear layer's weights as the C kernels read them (pointers: the tensors must outlive
+    the spec and stay in place)."""
+
+    _fields_ = [
+        ("kind", _i64),
+        ("out", _i64),
+        ("in_", _i64),
+        ("weight", _ptr),
+        ("scale", _ptr),
+        ("zero", _ptr),
+        ("bias", _ptr),
+    ]
+
+
+class DecoderLayerSpec(ctypes.Structure):
+    _fields_ = [
+        ("qkv", LinearSpec),
+        ("o", LinearSpec),
+        ("gate_up", LinearSpec),
+        ("down", LinearSpec),
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("q_norm", _ptr),
+        ("k_norm", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+    ]
+
+
+class DecoderSpec(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("block_size", _i64),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("rope", _ptr),
+        ("final_norm", _ptr),
+        ("layers", ctypes.POINTER(DecoderLayerSpec)),
+    ]
+
+
 _SIGNATURES = {
     "paged_decode_f32": (
         [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr]
@@ -292,6 +117,12 @@ _SIGNATURES = {
     "rotary_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
     "store_kv_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr, _int], None),
+    "linear_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _i64, _ptr, _i64, _int], _int),
+    "dequantize_rows_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _ptr, _int], None),
+    "decode_step_f32": (
+        [ctypes.POINTER(DecoderSpec), _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
+        _int,
+    ),
 }
 
 
@@ -422,6 +253,84 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def linear_spec(
+    kind: int,
+    weight: torch.Tensor,
+    in_features: int,
+    scale: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> LinearSpec:
+    """The C view of a linear layer: ``weight`` float32 [out, in], int8 [out, in] or packed 4-bit
+    uint8 [out, in / 2]; ``scale``/``zero`` float16 [out, in / 32]; ``bias`` float32 [out]."""
+    for t in (weight, scale, zero, bias):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("linear_spec needs contiguous tensors")
+    return LinearSpec(
+        kind,
+        weight.shape[0],
+        in_features,
+        weight.data_ptr(),
+        None if scale is None else scale.data_ptr(),
+        None if zero is None else zero.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+    )
+
+
+def linear(spec: LinearSpec, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for float32 rows ``x`` [n, in] (row stride free, columns packed)."""
+    n = x.shape[0]
+    if out is None:
+        out = torch.empty(n, spec.out, dtype=torch.float32)
+    failed = _library().linear_f32(
+        ctypes.byref(spec),
+        x.data_ptr(),
+        x.stride(0),
+        n,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("the CPU linear kernel could not allocate its input buffer")
+    return out
+
+
+def dequantize_rows(spec: LinearSpec, rows: torch.Tensor) -> torch.Tensor:
+    """float32 weight rows ``W[rows]`` [len(rows), in] (``rows`` int64, contiguous)."""
+    out = torch.empty(rows.shape[0], spec.in_, dtype=torch.float32)
+    _library().dequantize_rows_f32(
+        ctypes.byref(spec), rows.data_ptr(), rows.shape[0], out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def decode_step(
+    spec: DecoderSpec,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """A whole decoder over one token per row, in place: ``hidden`` [n, hidden] float32 holds the
+    embeddings in and the final normed hidden states out. Index tensors are contiguous int64."""
+    failed = _library().decode_step_f32(
+        ctypes.byref(spec),
+        hidden.data_ptr(),
+        hidden.shape[0],
+        positions.data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        context_lens.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("the CPU decode step could not allocate its buffers")
+    return hidden
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get(_ENV_SWITCH, "1") == "0":
@@ -444,7 +353,12 @@ def _library_path() -> Path:
 
     # One build per source version and CPU: -march=native code must not meet another CPU.
     identity = "\n".join(
-        [_SOURCE, platform.machine(), _cpu_flags(), repr(_FLAG_SETS + (_COMMON_FLAGS,))]
+        [
+            _SOURCE_FILE.read_text(),
+            platform.machine(),
+            _cpu_flags(),
+            repr(_FLAG_SETS + (_COMMON_FLAGS,)),
+        ]
     )
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return default_cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
@@ -467,11 +381,9 @@ def _build(path: Path) -> None:
         raise RuntimeError("no C compiler")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        source = Path(tmp) / "cpu_kernels.c"
-        source.write_text(_SOURCE)
         built = Path(tmp) / path.name
         for flags in _FLAG_SETS:
-            command = [compiler, *flags, *_COMMON_FLAGS, "-o", str(built), str(source), "-lm"]
+            command = [compiler, *flags, *_COMMON_FLAGS, "-o", str(built), str(_SOURCE_FILE), "-lm"]
             if subprocess.run(command, capture_output=True, timeout=120).returncode == 0:
                 os.replace(built, path)  # atomic: a concurrent build just wins or loses
                 return

@@ -52,8 +52,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
         self.packed_row: torch.Tensor | None = None
+        # ``--quantization auto``: the file's quantized blocks for few rows (see LinearBase).
+        self.quantized: nn.Module | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.quantized is not None and hidden.shape[0] < self.quantized.dense_min_rows:
+            return self.quantized(hidden)
         logits = linear(hidden, self.weight, None, self.packed_row)
         if self.tp_size == 1:
             return logits

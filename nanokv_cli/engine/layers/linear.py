@@ -70,6 +70,9 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
         self.packed_row: torch.Tensor | None = None
+        # ``--quantization auto``: the same weights as a model file's quantized blocks, which
+        # serve steps of few rows (quantize.attach_file_blocks); one rank only.
+        self.quantized: nn.Module | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -87,6 +90,8 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] < self.quantized.dense_min_rows:
+            return self.quantized(x)
         return linear(x, self.weight, self.bias, self.packed_row)
 
 
@@ -152,6 +157,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(inp, output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] < self.quantized.dense_min_rows:
+            return self.quantized(x)
         # The bias belongs to the sum, so only one rank adds it.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_row)
         if self.tp_size > 1:
