@@ -3,8 +3,10 @@
 One prompt of ``--prompt-len`` tokens of English text, greedy, ``--max-tokens`` generated with EOS
 ignored, end to end through each engine's Python API:
 
-- nanokv ``LLM(quantization=...)`` for each of ``--modes`` (``none`` is the float model; int8
-  and int4 run on the CPU only, so the default on other devices is ``none`` alone);
+- nanokv ``LLM(quantization=...)`` for each of ``--modes``: ``auto`` (the default: a GGUF's
+  own blocks for few-row steps, float weights for the rest), ``none`` (the float model), int8
+  and int4 (quantized weights only; on the default Q4_1 GGUF both take the file's blocks and
+  compute what ``auto`` computes at batch 1). Off the CPU only ``none`` runs;
 - transformers on the same float weights (the loader's converted copy of a GGUF), the baseline;
 - llama.cpp on the same GGUF file, when ``llama_cpp`` (llama-cpp-python) is importable. It is
   an optional benchmark dependency (a ~10 minute source build on 2 cores), never needed by CI;
@@ -17,7 +19,8 @@ the time from the first to the last. Repeats alternate the engines so load on a 
 hits them alike; the best run of each is compared (medians printed too). nanokv runs without
 prefix caching, so every repeat pays for its prefill as the other engines do. Also printed:
 resident weight bytes per engine (nanokv's include the MKL-packed copies its float32 CPU path
-keeps for 1-row GEMMs; llama.cpp's are the mapped GGUF file), and how many greedy tokens each
+keeps for 1-row GEMMs where no quantized twin serves them; llama.cpp's are the mapped GGUF
+file), and how many greedy tokens each
 engine shares with ``none`` before diverging.
 
 ``--batch 16,64`` adds batched decode throughput per mode (N sequences decoding together), to
@@ -81,7 +84,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default=None,
-        help="nanokv quantization modes, comma-separated (default none,int8,int4; "
+        help="nanokv quantization modes, comma-separated (default auto,none,int4; "
         "none alone off the CPU)",
     )
     p.add_argument("--prompt-len", type=int, default=None, help="default 256 (quick: 64)")
@@ -110,7 +113,7 @@ def parse_args() -> argparse.Namespace:
         p.error("--max-tokens must be >= 2 (decode speed counts the tokens after the first)")
     on_cpu = torch.device(args.device).type == "cpu"
     if args.modes is None:
-        args.modes = "none,int8,int4" if on_cpu else "none"
+        args.modes = "auto,none,int4" if on_cpu else "none"
     args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     if not args.modes:
         p.error("--modes needs at least one mode")

@@ -35,6 +35,7 @@ from .layers.attention import (
     uses_sdpa_prefill,
 )
 from .layers.linear import pack_for_single_row, single_row_packing_available, worth_packing
+from .layers.quant import QuantizedLinear
 from .layers.tp import tp_rank, tp_size
 from .loader import QuantizedTensor
 from .models import build_model, load_weights
@@ -52,10 +53,6 @@ MAX_CPU_KV_CACHE_MEMORY = 4 << 30
 
 # At most this many bytes of MKL-packed weight copies for single-row decode (see _pack_weights).
 MAX_PACKED_WEIGHT_BYTES = 1 << 30
-
-# Decode steps of fewer rows than this run as one C call over the whole decoder, whose
-# matrix-vector kernels beat MKL's GEMM on few rows (scripts/BENCHMARKS.md).
-FUSED_DECODE_MAX_ROWS = 16
 
 # Decode queries are split into at most this many length buckets of at least this many
 # sequences: a bucket is padded to its own longest context, and each bucket costs one gather
@@ -247,6 +244,15 @@ class ModelRunner:
             if self.use_cpu_kernel and self.tp_size == 1 and self.quantization is not None
             else None
         )
+        # As long as every layer would take its quantized kernel on its own.
+        self.fused_max_rows = min(
+            (
+                m.dense_min_rows
+                for m in self.model.model.layers.modules()
+                if isinstance(m, QuantizedLinear)
+            ),
+            default=0,
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_cuda_graph:
             self._capture_cuda_graphs()
@@ -400,7 +406,7 @@ class ModelRunner:
             self.cpu_decoder is not None
             and not batch.meta.prefills
             and paged is not None
-            and len(batch.input_ids) < FUSED_DECODE_MAX_ROWS
+            and len(batch.input_ids) < self.fused_max_rows
         ):
             hidden = self.model.model.embed_tokens(batch.input_ids).contiguous()
             return cpu_kernels.decode_step(

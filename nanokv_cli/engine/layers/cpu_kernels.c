@@ -364,91 +364,8 @@ static void rows4_f32(const Linear *L, int64_t o, const float *x, float out[4]) 
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define QUANT_SIMD 1
-#endif
 
-/* Output row o of up to four quantized input rows i0..i0+NI-1: out[i] = W[o] . x[i0 + i].
-   Each weight block is expanded once for all NI rows. Eight blocks at a time, the weight scales
-   are converted and multiplied by the inputs' scales in one vector, and the Q4 zero term
-   sum_b zero[b] * d_x[b] * sum(q_x[b]) is one more multiply-add into the same accumulator.
-   Accumulators rotate over CH chains per row so the adds' latency overlaps (CH * NI >= 4). */
-static inline __attribute__((always_inline)) void row_quant(const Linear *L, int64_t o,
-                                                            QuantRows qr, int64_t i0, const int NI,
-                                                            const int q4, float out[4]) {
-    const int64_t in = L->in, blocks = in / QBLOCK;
-    const int8_t *xq = qr.q + i0 * in;
-    const float *xd = qr.d + i0 * blocks, *xs = qr.sum + i0 * blocks;
-    const uint16_t *ws = L->scale + o * blocks, *wz = L->zero != NULL ? L->zero + o * blocks : NULL;
-    const uint8_t *w4 = (const uint8_t *)L->weight + o * (in / 2);
-    const int8_t *w8 = (const int8_t *)L->weight + o * in;
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int64_t b0 = 0;
-#ifdef QUANT_SIMD
-    /* Two accumulators per row take alternate blocks; the factors (weight scale times input
-       scale) of eight blocks are computed in one vector and read back one by one. */
-    __m256 even[4], odd[4];
-    float f[4][8];
-    for (int i = 0; i < NI; i++) even[i] = odd[i] = _mm256_setzero_ps();
-    for (; b0 + 8 <= blocks; b0 += 8) {
-        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + b0)));
-        for (int i = 0; i < NI; i++)
-            _mm256_storeu_ps(f[i], _mm256_mul_ps(scale, _mm256_loadu_ps(xd + i * blocks + b0)));
-        if (q4) {
-            const __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wz + b0)));
-            for (int i = 0; i < NI; i++)
-                even[i] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(xs + i * blocks + b0), even[i]);
-        }
-        for (int k = 0; k < 8; k += 2) {
-            const int64_t b = b0 + k;
-            __m256i w0, w1;
-            if (q4) {
-                w0 = q4_block(w4 + b * 16);
-                w1 = q4_block(w4 + (b + 1) * 16);
-            } else {
-                w0 = _mm256_loadu_si256((const __m256i *)(w8 + b * QBLOCK));
-                w1 = _mm256_loadu_si256((const __m256i *)(w8 + (b + 1) * QBLOCK));
-            }
-            for (int i = 0; i < NI; i++) {
-                const int8_t *x = xq + i * in + b * QBLOCK;
-                __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
-                __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + QBLOCK));
-                __m256 p0, p1;
-                if (q4) {
-                    p0 = dot_u8_s8(w0, x0);
-                    p1 = dot_u8_s8(w1, x1);
-                } else {
-                    p0 = dot_u8_s8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0));
-                    p1 = dot_u8_s8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
-                }
-                even[i] = _mm256_fmadd_ps(p0, _mm256_broadcast_ss(&f[i][k]), even[i]);
-                odd[i] = _mm256_fmadd_ps(p1, _mm256_broadcast_ss(&f[i][k + 1]), odd[i]);
-            }
-        }
-    }
-    for (int i = 0; i < NI; i++) s[i] = hsum8(_mm256_add_ps(even[i], odd[i]));
-#endif
-    for (int64_t b = b0; b < blocks; b++) { /* blocks past the last eight (or all, without AVX2) */
-        const float scale = half_to_float(ws[b]);
-        for (int i = 0; i < NI; i++) {
-            const int8_t *x = xq + i * in + b * QBLOCK;
-            int total = 0;
-            if (q4) {
-                const uint8_t *wq = w4 + b * 16;
-                for (int j = 0; j < 16; j++) total += (wq[j] & 0x0F) * x[j] + (wq[j] >> 4) * x[j + 16];
-                s[i] += half_to_float(wz[b]) * xs[i * blocks + b];
-            } else {
-                const int8_t *wq = w8 + b * QBLOCK;
-                for (int j = 0; j < QBLOCK; j++) total += wq[j] * x[j];
-            }
-            s[i] += scale * xd[i * blocks + b] * (float)total;
-        }
-    }
-    for (int i = 0; i < NI; i++) out[i] = s[i];
-}
-
-#ifdef QUANT_SIMD
-/* W[o] . x for a lone input row: the decode of one sequence, the hot case. Eight blocks at a
-   time as row_quant does, with two accumulators taking alternate blocks. */
-#define LONE_BLOCK(k, acc)                                                                       \
+#define QUANT_BLOCK(k, acc)                                                                      \
     do {                                                                                         \
         const int64_t b = b0 + (k);                                                              \
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QBLOCK));                \
@@ -461,61 +378,57 @@ static inline __attribute__((always_inline)) void row_quant(const Linear *L, int
         }                                                                                        \
         acc = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(k)), acc);        \
     } while (0)
+#endif
 
-static inline __attribute__((always_inline)) float lone_row(const Linear *L, int64_t o,
-                                                            QuantRows qr, const int Q4) {
+/* W[o] . x for one quantized input row x (row i of qr). Eight blocks at a time: their weight
+   scales are converted and multiplied by the input's scales in one vector, the Q4 zero term
+   sum_b zero[b] * d_x[b] * sum(q_x[b]) is one more multiply-add, and two accumulators take
+   alternate blocks so that consecutive multiply-adds do not wait on each other. Rows of a
+   batch each run this: the cost is integer arithmetic per row, which tiling rows does not
+   reduce by much, and beyond a few rows a float32 GEMM wins anyway (DENSE_MIN_ROWS). */
+static inline __attribute__((always_inline)) float quant_row(const Linear *L, int64_t o,
+                                                             QuantRows qr, int64_t i,
+                                                             const int Q4) {
     const int64_t in = L->in, blocks = in / QBLOCK;
-    const int8_t *xq = qr.q;
+    const int8_t *xq = qr.q + i * in;
+    const float *xd = qr.d + i * blocks, *xs = qr.sum + i * blocks;
     const uint16_t *ws = L->scale + o * blocks, *wz = Q4 ? L->zero + o * blocks : NULL;
     const uint8_t *w4 = (const uint8_t *)L->weight + o * (in / 2);
     const int8_t *w8 = (const int8_t *)L->weight + o * in;
-    __m256 even = _mm256_setzero_ps(), odd = even;
+    float s = 0.0f;
     int64_t b0 = 0;
+#ifdef QUANT_SIMD
+    __m256 even = _mm256_setzero_ps(), odd = even;
     for (; b0 + 8 <= blocks; b0 += 8) {
         const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + b0))),
-                                       _mm256_loadu_ps(qr.d + b0));
+                                       _mm256_loadu_ps(xd + b0));
         if (Q4)
             even = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wz + b0))),
-                                   _mm256_loadu_ps(qr.sum + b0), even);
-        LONE_BLOCK(0, even); LONE_BLOCK(1, odd); LONE_BLOCK(2, even); LONE_BLOCK(3, odd);
-        LONE_BLOCK(4, even); LONE_BLOCK(5, odd); LONE_BLOCK(6, even); LONE_BLOCK(7, odd);
+                                   _mm256_loadu_ps(xs + b0), even);
+        QUANT_BLOCK(0, even); QUANT_BLOCK(1, odd); QUANT_BLOCK(2, even); QUANT_BLOCK(3, odd);
+        QUANT_BLOCK(4, even); QUANT_BLOCK(5, odd); QUANT_BLOCK(6, even); QUANT_BLOCK(7, odd);
     }
-    float s = 0.0f;
-    for (; b0 < blocks; b0++) {
-        const __m256 f = _mm256_set1_ps(half_to_float(ws[b0]) * qr.d[b0]);
-        LONE_BLOCK(0, even);
-        if (Q4) s += half_to_float(wz[b0]) * qr.sum[b0];
+    for (; b0 < blocks; b0++) { /* blocks past the last eight */
+        const __m256 f = _mm256_set1_ps(half_to_float(ws[b0]) * xd[b0]);
+        QUANT_BLOCK(0, even);
+        if (Q4) s += half_to_float(wz[b0]) * xs[b0];
     }
-    return s + hsum8(_mm256_add_ps(even, odd));
-}
+    s += hsum8(_mm256_add_ps(even, odd));
 #endif
-
-/* Rows of x for one output row, in tiles of four. The tile size and the format are constants
-   in each instance, so its loops unroll and its accumulators stay in registers. */
-static void column_quant(const Linear *L, int64_t o, QuantRows qr, int64_t n, float *y,
-                         int64_t y_stride) {
-    const int q4 = L->kind == LINEAR_Q4;
-#ifdef QUANT_SIMD
-    if (n == 1) {
-        y[o] = q4 ? lone_row(L, o, qr, 1) : lone_row(L, o, qr, 0);
-        return;
-    }
-#endif
-    for (int64_t i0 = 0; i0 < n; i0 += 4) {
-        float sums[4];
-        const int64_t ni = n - i0 < 4 ? n - i0 : 4;
-        switch (ni * 2 + q4) {
-            case 2: row_quant(L, o, qr, i0, 1, 0, sums); break;
-            case 3: row_quant(L, o, qr, i0, 1, 1, sums); break;
-            case 4: row_quant(L, o, qr, i0, 2, 0, sums); break;
-            case 5: row_quant(L, o, qr, i0, 2, 1, sums); break;
-            case 6: row_quant(L, o, qr, i0, 3, 0, sums); break;
-            case 7: row_quant(L, o, qr, i0, 3, 1, sums); break;
-            case 8: row_quant(L, o, qr, i0, 4, 0, sums); break;
-            default: row_quant(L, o, qr, i0, 4, 1, sums); break;
+    for (; b0 < blocks; b0++) { /* without AVX2 */
+        const int8_t *x = xq + b0 * QBLOCK;
+        int total = 0;
+        if (Q4) {
+            const uint8_t *wq = w4 + b0 * 16;
+            for (int j = 0; j < 16; j++) total += (wq[j] & 0x0F) * x[j] + (wq[j] >> 4) * x[j + 16];
+            s += half_to_float(wz[b0]) * xs[b0];
+        } else {
+            const int8_t *wq = w8 + b0 * QBLOCK;
+            for (int j = 0; j < QBLOCK; j++) total += wq[j] * x[j];
         }
-        for (int64_t i = 0; i < ni; i++) y[(i0 + i) * y_stride + o] = sums[i];
+        s += half_to_float(ws[b0]) * xd[b0] * (float)total;
     }
+    return s;
 }
 
 /* W[o] . x for int8 weights and a float input row, without rounding the input: for the LM
@@ -577,8 +490,12 @@ int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, flo
         if (L->kind == LINEAR_Q8_FLOAT_INPUT) {
             for (int64_t r = 0; r < width; r++)
                 for (int64_t i = 0; i < n; i++) y[i * y_stride + o + r] = row_q8_float(L, o + r, x + i * x_stride);
-        } else if (L->kind != LINEAR_F32) {
-            for (int64_t r = 0; r < width; r++) column_quant(L, o + r, qr, n, y, y_stride);
+        } else if (L->kind == LINEAR_Q4) {
+            for (int64_t r = 0; r < width; r++)
+                for (int64_t i = 0; i < n; i++) y[i * y_stride + o + r] = quant_row(L, o + r, qr, i, 1);
+        } else if (L->kind == LINEAR_Q8) {
+            for (int64_t r = 0; r < width; r++)
+                for (int64_t i = 0; i < n; i++) y[i * y_stride + o + r] = quant_row(L, o + r, qr, i, 0);
         } else if (width == 4) {
             for (int64_t i = 0; i < n; i++) {
                 float sums[4];
