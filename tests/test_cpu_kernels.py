@@ -258,11 +258,9 @@ def test_decode_step_in_one_call_matches_the_layer_by_layer_path(
             device="cpu",
             quantization=quantization,
         )
-        # Built for quantized weights only (float32 ones are faster layer by layer), but the
-        # C step takes float32 weights too: layers without a quantized twin use them.
-        assert (runner.cpu_decoder is not None) == (quantization is not None)
-        runner.cpu_decoder = runner.model.cpu_decoder() if fused else None
-        runner.fused_max_rows = runner.fused_max_rows or 16  # float32: 0, the path is off
+        assert runner.cpu_decoder is not None and runner.fused_max_rows >= 16
+        if not fused:
+            runner.cpu_decoder = None
         return runner
 
     # Contexts crossing block edges; 1, 3 and 5 sequences (the kernels' row tiles of 1-4).

@@ -34,7 +34,12 @@ from .layers.attention import (
     flash_attn_with_kvcache,
     uses_sdpa_prefill,
 )
-from .layers.linear import pack_for_single_row, single_row_packing_available, worth_packing
+from .layers.linear import (
+    LinearBase,
+    pack_for_single_row,
+    single_row_packing_available,
+    worth_packing,
+)
 from .layers.quant import QuantizedLinear
 from .layers.tp import tp_rank, tp_size
 from .loader import QuantizedTensor
@@ -53,6 +58,12 @@ MAX_CPU_KV_CACHE_MEMORY = 4 << 30
 
 # At most this many bytes of MKL-packed weight copies for single-row decode (see _pack_weights).
 MAX_PACKED_WEIGHT_BYTES = 1 << 30
+
+# Decode steps of fewer rows than this run as one C call (``cpu_decoder``) when the model's
+# projections are float32: the C GEMV beats MKL's GEMM up to ~16 rows (30 SmolLM2 layers,
+# 1 thread: 4 rows 17-24 vs 31-34 ms, 16 rows 53-75 vs 59-80 ms). Quantized layers set their
+# own limit (dense_min_rows).
+FUSED_DECODE_MAX_ROWS = 16
 
 # Decode queries are split into at most this many length buckets of at least this many
 # sequences: a bucket is padded to its own longest context, and each bucket costs one gather
@@ -210,6 +221,16 @@ class ModelRunner:
         else:  # weight-only int8/int4 layers in place of the float ones (quantize.py)
             quantize_model(self.model, self.quantization, weights)
         self.model.eval()
+        # float32 on CPU: decodes read the cache in place through the C attention kernel, and
+        # norms, rotary, K/V stores and silu*mul are fused C calls (layers/cpu_kernels.py).
+        self.use_cpu_kernel = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
+        )
+        self.fused_decode = self.use_cpu_kernel and self.tp_size == 1
+        if self.use_cpu_kernel:
+            for module in self.model.modules():
+                if hasattr(type(module), "cpu_kernels"):
+                    module.cpu_kernels = True
         self.packed_weight_bytes = self._pack_weights() if self.device.type == "cpu" else 0
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
@@ -221,37 +242,24 @@ class ModelRunner:
             and self.dtype in (torch.float16, torch.bfloat16)
         )
         self.use_cuda_graph = self.use_flash and not enforce_eager
-        # float32 on CPU: decodes read the cache in place through the C attention kernel, and
-        # norms, rotary, K/V stores and silu*mul are fused C calls (layers/cpu_kernels.py).
-        self.use_cpu_kernel = (
-            self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
-        )
-        if self.use_cpu_kernel:
-            for module in self.model.modules():
-                if hasattr(type(module), "cpu_kernels"):
-                    module.cpu_kernels = True
         self._offsets = torch.arange(block_size)
         self._workspace: torch.Tensor | None = None
         self.num_blocks = self._resolve_num_blocks(
             num_blocks, kv_cache_memory, gpu_memory_utilization
         )
         self.kv_cache = self._allocate_kv_cache()
-        # Decode steps of few sequences run the whole decoder in one C call (cpu_kernels.c)
-        # over quantized weights. Float32 weights stay on the layer-by-layer path: there MKL's
-        # packed GEMV reads them faster than the C kernel does (scripts/BENCHMARKS.md).
-        self.cpu_decoder = (
-            self.model.cpu_decoder()
-            if self.use_cpu_kernel and self.tp_size == 1 and self.quantization is not None
-            else None
-        )
-        # As long as every layer would take its quantized kernel on its own.
+        # Decode steps of few sequences run the whole decoder in one C call (cpu_kernels.c):
+        # ~10 ms less Python per step for SmolLM2's 30 layers (scripts/BENCHMARKS.md).
+        self.cpu_decoder = self.model.cpu_decoder() if self.fused_decode else None
+        # As long as every layer's kernel beats the many-row path on its own: quantized layers
+        # say when (dense_min_rows); float32 ones at FUSED_DECODE_MAX_ROWS.
         self.fused_max_rows = min(
             (
                 m.dense_min_rows
                 for m in self.model.model.layers.modules()
                 if isinstance(m, QuantizedLinear)
             ),
-            default=0,
+            default=FUSED_DECODE_MAX_ROWS,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_cuda_graph:
@@ -277,6 +285,8 @@ class ModelRunner:
         GEMM streams wide matrices ~1.5-2x faster than F.linear does (see ``worth_packing``):
         on SmolLM2 the step's linear layers drop from ~37 to ~28 ms. The copies cost memory
         (SmolLM2: 330 MB over 540 MB of weights), so they stop at MAX_PACKED_WEIGHT_BYTES.
+        Where the one-call C decode step runs, only the LM head is packed: the step reads the
+        projections itself, and the head (1 row of logits per sequence) stays in torch.
         """
         if not single_row_packing_available():
             return 0
@@ -286,6 +296,8 @@ class ModelRunner:
             if not hasattr(module, "packed_row") or weight is None or not worth_packing(weight):
                 continue
             if getattr(module, "quantized", None) is not None:  # few rows go to its twin
+                continue
+            if self.fused_decode and isinstance(module, LinearBase):
                 continue
             size = weight.numel() * weight.element_size()
             if added + size > MAX_PACKED_WEIGHT_BYTES:
