@@ -15,6 +15,8 @@ shapes), hence KERNEL_RTOL = 1e-2. The dense path is a float32 GEMM over dequant
 (measured ~1e-7 relative), held to 1e-5.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -426,6 +428,16 @@ def test_load_gguf_quantized_refuses_other_files(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         load_gguf_quantized(tmp_path)
+
+
+def test_load_gguf_quantized_refuses_a_truncated_file(tmp_path):
+    # Cut inside the tokenizer's strings: the index reader must fail cleanly, not read on.
+    truncated = tmp_path / "cut.gguf"
+    whole = Path(default_model_path()).read_bytes()
+    for cut in (300_000, len(whole) - 1000):  # in the metadata; in the last tensor
+        truncated.write_bytes(whole[:cut])
+        with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+            load_gguf_quantized(truncated)
 
 
 # -- the default model's real blocks ------------------------------------------------------------

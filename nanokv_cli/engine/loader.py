@@ -618,33 +618,111 @@ def load_gguf_quantized(path: str | os.PathLike[str] | None = None) -> dict[str,
     model_path = _model_path(path)
     if model_path.is_dir() or not _is_gguf(model_path):
         raise ModelLoadError(f"{model_path} is not a GGUF file")
-    reader = _open_gguf(model_path)
-
-    def field(key: str) -> Any:
-        value = reader.fields.get(key)
-        return value.contents() if value is not None else None
-
-    arch = field("general.architecture")
+    fields, tensors = _gguf_index(model_path)
+    arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         supported = ", ".join(sorted(_GGUF_ARCHITECTURES))
         raise UnsupportedArchitectureError(
             f"{model_path}: unsupported GGUF architecture {arch!r} (supported: {supported})"
         )
-    heads = int(field(f"{arch}.attention.head_count"))
-    kv_heads = int(field(f"{arch}.attention.head_count_kv") or heads)
+    heads = int(fields[f"{arch}.attention.head_count"])
+    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv") or heads)
     row_heads = {"q_proj": heads, "k_proj": kv_heads}
     weights = {}
-    for tensor in reader.tensors:
-        if len(tensor.shape) != 2 or tensor.name == _ROPE_FREQS:
+    for name, dims, qtype, data in tensors:
+        if len(dims) != 2 or name == _ROPE_FREQS:
             continue
-        hf_name = _hf_tensor_name(tensor.name, model_path)
-        cols, rows = (int(d) for d in tensor.shape.tolist())
-        data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        hf_name = _hf_tensor_name(name, model_path)
+        cols, rows = dims
+        data = data.reshape(rows, -1)
         module = hf_name.split(".")[-2]
         if arch == "llama" and module in row_heads:
             data = _unpermute_rows(data, row_heads[module])
-        weights[hf_name] = QuantizedTensor(data, int(tensor.tensor_type), (rows, cols))
+        weights[hf_name] = QuantizedTensor(data, qtype, (rows, cols))
     return weights
+
+
+# GGUF metadata value types (gguf.GGUFValueType) with a fixed size, as struct formats.
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
+_GGUF_SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_index(path: Path) -> tuple[dict[str, Any], list[tuple[str, tuple, int, np.ndarray]]]:
+    """A GGUF file's scalar and string metadata, and its tensors as (name, dims, GGML type,
+    raw bytes: a uint8 view of the file mapping).
+
+    Arrays in the metadata (the tokenizer's ~100k strings) are skipped without being decoded:
+    gguf-py's reader turns each into Python objects, ~1 s for the default model, which every
+    start with ``--quantization auto`` would pay. Versions 2 and 3 of the format.
+    """
+    from gguf import GGML_QUANT_SIZES
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = memoryview(data)
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from(fmt, raw, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def text() -> str:
+        nonlocal pos
+        size = take("<Q")
+        pos += size
+        return bytes(raw[pos - size : pos]).decode("utf-8", errors="replace")
+
+    def skip(kind: int) -> None:
+        nonlocal pos
+        if kind == _GGUF_STRING:
+            size = take("<Q")  # not `pos += take(...)`: that adds to pos as it was before
+            pos += size
+        elif kind == _GGUF_ARRAY:
+            item, count = take("<I"), take("<Q")
+            if item in _GGUF_SCALARS:
+                pos += count * struct.calcsize(_GGUF_SCALARS[item])
+            else:
+                for _ in range(count):
+                    skip(item)
+        else:
+            pos += struct.calcsize(_GGUF_SCALARS[kind])
+
+    try:
+        if bytes(raw[:4]) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+        pos = 4
+        version = take("<I")
+        if version not in (2, 3):
+            raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        num_tensors, num_fields = take("<Q"), take("<Q")
+        fields: dict[str, Any] = {}
+        for _ in range(num_fields):
+            key, kind = text(), take("<I")
+            if kind in _GGUF_SCALARS:
+                fields[key] = take(_GGUF_SCALARS[kind])
+            elif kind == _GGUF_STRING:
+                fields[key] = text()
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(num_tensors):
+            name = text()
+            dims = tuple(take("<Q") for _ in range(take("<I")))
+            infos.append((name, dims, take("<I"), take("<Q")))
+        alignment = int(fields.get("general.alignment", 32))
+        start = -(-pos // alignment) * alignment
+        tensors = []
+        for name, dims, qtype, offset in infos:
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+            size = math.prod(dims) // block * block_bytes
+            if start + offset + size > len(data):
+                raise ValueError(f"tensor {name!r} runs past the end of the file")
+            tensors.append((name, dims, qtype, data[start + offset : start + offset + size]))
+    except (struct.error, KeyError, ValueError, IndexError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    return fields, tensors
 
 
 def _hf_tensor_name(name: str, path: Path) -> str:
