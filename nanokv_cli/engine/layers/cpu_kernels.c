@@ -181,43 +181,55 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
                      const int64_t *context_lens, int64_t n, int64_t width, int64_t heads,
                      int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
                      float *out, int64_t out_stride, int threads) {
+    /* One work item per (sequence, KV head): the query heads sharing that KV head (GQA) take
+       each cache block in turn while it is in cache, so K and V come from memory once per
+       KV head, not once per query head. */
     const int64_t group = heads / kv_heads, slot = kv_heads * dim;
     int64_t max_len = 0;
     for (int64_t i = 0; i < n; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
+    const int64_t row = max_len + 8;
     int failed = 0;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && n * heads > 1)
+    #pragma omp parallel num_threads(threads) if (threads > 1 && n * kv_heads > 1)
     {
-        float *scores = malloc(sizeof(float) * (max_len + 8));
+        float *scores = malloc(sizeof(float) * (size_t)(group * row));
         if (scores == NULL) {
             failed = 1;
         } else {
-            #pragma omp for schedule(dynamic, 4)
-            for (int64_t item = 0; item < n * heads; item++) {
-                const int64_t i = item / heads, head = item % heads, h = head / group;
+            #pragma omp for schedule(dynamic, 2)
+            for (int64_t item = 0; item < n * kv_heads; item++) {
+                const int64_t i = item / kv_heads, h = item % kv_heads;
                 const int64_t len = context_lens[i];
                 const int64_t *table = block_tables + i * width;
-                const float *qi = q + i * q_stride + head * dim;
-                float *oi = out + i * out_stride + head * dim;
+                const float *qi = q + i * q_stride + h * group * dim;
+                float *oi = out + i * out_stride + h * group * dim;
                 for (int64_t t0 = 0; t0 < len; t0 += block_size) {
                     const int64_t m = len - t0 < block_size ? len - t0 : block_size;
                     const float *k = k_cache + (table[t0 / block_size] * block_size * kv_heads + h) * dim;
-                    key_scores(qi, k, slot, m, dim, scale, scores + t0);
+                    for (int64_t g = 0; g < group; g++)
+                        key_scores(qi + g * dim, k, slot, m, dim, scale, scores + g * row + t0);
                 }
-                float top = -INFINITY, total = 0.0f;
-                for (int64_t t = 0; t < len; t++) top = scores[t] > top ? scores[t] : top;
-                #pragma omp simd reduction(+:total)
-                for (int64_t t = 0; t < len; t++) {
-                    scores[t] = exp_clamped(scores[t] - top);
-                    total += scores[t];
+                float totals[group];
+                for (int64_t g = 0; g < group; g++) {
+                    float *sg = scores + g * row, top = -INFINITY, total = 0.0f;
+                    for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+                    #pragma omp simd reduction(+:total)
+                    for (int64_t t = 0; t < len; t++) {
+                        sg[t] = exp_clamped(sg[t] - top);
+                        total += sg[t];
+                    }
+                    totals[g] = total;
                 }
-                memset(oi, 0, sizeof(float) * dim);
+                memset(oi, 0, sizeof(float) * (size_t)(group * dim));
                 for (int64_t t0 = 0; t0 < len; t0 += block_size) {
                     const int64_t m = len - t0 < block_size ? len - t0 : block_size;
                     const float *v = v_cache + (table[t0 / block_size] * block_size * kv_heads + h) * dim;
-                    weighted_values(scores + t0, v, slot, m, dim, oi);
+                    for (int64_t g = 0; g < group; g++)
+                        weighted_values(scores + g * row + t0, v, slot, m, dim, oi + g * dim);
                 }
-                const float inv = 1.0f / total;
-                for (int64_t d = 0; d < dim; d++) oi[d] *= inv;
+                for (int64_t g = 0; g < group; g++) {
+                    const float inv = 1.0f / totals[g];
+                    for (int64_t d = 0; d < dim; d++) oi[g * dim + d] *= inv;
+                }
             }
             free(scores);
         }
