@@ -1,25 +1,28 @@
-"""Small C kernels for the float32 CPU path, built on first use with the system C compiler.
+"""Python side of nanokv's CPU kernels (``cpu_kernels.c``), built on first use with the system
+C compiler and called through ctypes.
 
-Two reasons to leave PyTorch here:
+Why leave PyTorch on the CPU:
 
 * Paged decode attention. The torch path gathers every decoding sequence's K/V out of the paged
-  cache into a contiguous buffer, then runs SDPA, whose CPU kernel is slow for 1-token queries:
-  at batch 64 (SmolLM2 shapes, contexts ~450) gather + SDPA took ~11 ms per layer, this kernel
-  ~4.5 ms. It reads K and V where they lie, through the block table, in two passes (scores for
-  8 keys at a time, softmax, probability-weighted sum of V rows), accumulating in float32.
+  cache into a contiguous buffer, then runs SDPA, whose CPU kernel is slow for 1-token queries.
+  The kernel reads K and V where they lie, through the block table, one KV head's query group
+  at a time, accumulating in float32.
 * Per-op overhead. A single sequence's decode step is ~30 layers of tiny tensors, where each
-  torch op costs microseconds of dispatch: RMSNorm alone ran as ~10 ops (F.rms_norm decomposes
-  on CPU). Fused here: residual add + RMSNorm, rotary embedding in place, the K/V cache store,
-  and silu(gate) * up - one call each instead of 3-11 ops.
+  torch op costs microseconds of dispatch. Fused here: residual add + RMSNorm, rotary in place,
+  the K/V store, silu(gate) * up; and ``decode_step`` runs a whole decoder for a step of a few
+  single-token rows in one call (~10 ms less Python per SmolLM2 step).
+* Quantized weights. ``linear`` multiplies GGUF-format int8/int4 weights (Q8_0, Q4_0/Q4_1
+  blocks) by inputs rounded to int8 per 32 values, with integer multiply-adds; see
+  ``layers/quant.py``. Float32 weights go through the same entry point for ``decode_step``.
 
-The kernels are vectorised with AVX2/FMA where the CPU has them (plain C elsewhere) and run
+The kernels are vectorised with AVX2/FMA/F16C where the CPU has them (plain C elsewhere) and run
 on torch's OpenMP thread pool (the library links the same libgomp). They are compiled with
-``-ffp-contract=off`` so that element-wise results round as torch's separate ops do; the
-attention and the norm's sum of squares differ from torch's only in summation order.
+``-ffp-contract=off`` so that element-wise results round as torch's separate ops do; attention,
+matrix-vector products and the norm's sum of squares differ from torch's in summation order.
 
-The library is built once per source version and CPU into nanokv's cache directory (~1 s).
-Without a compiler, or with ``NANOKV_CPU_KERNELS=0``, ``available()`` is False and every caller
-stays on its torch path.
+The library is built once per source version and CPU into nanokv's cache directory (a few
+seconds). Without a compiler, or with ``NANOKV_CPU_KERNELS=0``, ``available()`` is False: every
+caller stays on its torch path and quantization is unavailable.
 """
 
 from __future__ import annotations
