@@ -111,7 +111,7 @@ def file_blocks(gguf_path: str) -> dict[str, QuantizedTensor]:
     return {
         name: block
         for name, block in load_gguf_quantized(gguf_path).items()
-        if _exact_int4(block) or block.qtype in _EXACT_INT8_TYPES
+        if _exact_mode(block) is not None
     }
 
 
@@ -127,23 +127,16 @@ def attach_file_blocks(model: nn.Module, blocks: Mapping[str, QuantizedTensor]) 
     attached = 0
     for path, module in model.named_modules():
         if isinstance(module, LinearBase):
-            parent, _, name = path.rpartition(".")
-            prefix = f"{parent}." if parent else ""
-            names = [f"{prefix}{part}.weight" for part in packed.get(name, [name])]
+            names = [f"{n}.weight" for n in _hf_names(path, packed)]
         elif isinstance(module, ParallelLMHead):
             tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
             names = ["model.embed_tokens.weight" if tied else f"{path}.weight"]
         else:
             continue
-        parts = [blocks.get(n) for n in names]
-        if any(p is None for p in parts):
+        modes = {_exact_mode(blocks[n]) if n in blocks else None for n in names}
+        if len(modes) != 1 or None in modes:
             continue
-        if all(_exact_int4(p) for p in parts):
-            mode = "int4"
-        elif all(p.qtype in _EXACT_INT8_TYPES for p in parts):
-            mode = "int8"
-        else:
-            continue
+        mode, parts = modes.pop(), [blocks[n] for n in names]
         bias = getattr(module, "bias", None)
         head = isinstance(module, ParallelLMHead) and mode == "int8"  # see float_inputs
         twin = QuantizedLinear.from_parts(parts, mode, bias, float_inputs=head)
@@ -162,11 +155,8 @@ def with_gguf_blocks(
     float weights already are.
     """
     merged: dict[str, Weight] = dict(weights)
-    if parse_quantization(mode) is None:
-        return merged
-    for name, block in load_gguf_quantized(gguf_path).items():
-        if _exact_int4(block) or block.qtype in _EXACT_INT8_TYPES:
-            merged[name] = block
+    if parse_quantization(mode) is not None:
+        merged.update(file_blocks(gguf_path))
     return merged
 
 
@@ -212,6 +202,13 @@ def _packed_parts(model: nn.Module) -> dict[str, list[str]]:
     return parts
 
 
+def _hf_names(path: str, packed: dict[str, list[str]]) -> list[str]:
+    """The Hugging Face module names a (possibly fused) module at ``path`` holds, in order."""
+    parent, _, name = path.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    return [f"{prefix}{part}" for part in packed.get(name, [name])]
+
+
 def _quantized_linear(
     path: str,
     module: LinearBase,
@@ -219,9 +216,7 @@ def _quantized_linear(
     weights: Mapping[str, Weight],
     packed: dict[str, list[str]],
 ) -> QuantizedLinear:
-    parent, _, name = path.rpartition(".")
-    prefix = f"{parent}." if parent else ""
-    names = [f"{prefix}{part}" for part in packed.get(name, [name])]
+    names = _hf_names(path, packed)
     parts = [_weight(weights, f"{n}.weight") for n in names]
     out_features, in_features = module.weight.shape
     shapes = [tuple(_shape(p)) for p in parts]
@@ -271,7 +266,16 @@ def _vocab_mode(part: Weight) -> str:
 
 
 def _exact_int4(part: Weight) -> bool:
-    return isinstance(part, QuantizedTensor) and part.qtype in _EXACT_INT4_TYPES
+    return _exact_mode(part) == "int4"
+
+
+def _exact_mode(part: Weight) -> str | None:
+    """The mode that holds a GGUF block exactly (Q4_0/Q4_1: int4, Q8_0: int8), else None."""
+    if not isinstance(part, QuantizedTensor):
+        return None
+    if part.qtype in _EXACT_INT4_TYPES:
+        return "int4"
+    return "int8" if part.qtype in _EXACT_INT8_TYPES else None
 
 
 class _TypedEmbedding(QuantizedEmbedding):
