@@ -289,6 +289,22 @@ def test_bad_values_fail_before_loading():
     assert check_quantization("auto", "cpu", tensor_parallel_size=2) is None
 
 
+def test_without_the_c_kernels_quantization_is_refused_and_auto_is_none(monkeypatch):
+    from nanokv_cli.engine.layers import cpu_kernels
+
+    with monkeypatch.context() as m:  # as on a machine without a C compiler
+        m.setenv("NANOKV_CPU_KERNELS", "0")
+        cpu_kernels._library.cache_clear()
+        try:
+            with pytest.raises(ValueError, match="needs nanokv's C kernels"):
+                LLM("/no/such/model", quantization="int4")
+            assert check_quantization("auto", "cpu") is None
+            llm = LLM(kv_cache_memory=64 << 20)  # the default GGUF, default quantization
+            assert llm.quantization is None and llm.model_runner.cpu_decoder is None
+        finally:
+            cpu_kernels._library.cache_clear()
+
+
 # -- command line -----------------------------------------------------------------------------------
 
 cli = CliRunner()
