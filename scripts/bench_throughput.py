@@ -5,7 +5,10 @@ nano-vllm's bench.py, scaled for a CPU by default: ``random.seed(0)``, 64 sequen
 ignored, temperature 0.6. transformers runs the way a user would: ``generate`` on left-padded
 sub-batches of 16 in submission order, each running to its longest ``max_tokens``. Both are
 scored in *useful* output tokens per second (the sum of ``max_tokens``; a padded batch's extra
-tokens do not count).
+tokens do not count). nanokv runs once per ``--modes`` (default ``auto,none`` on CPU: the
+default, and the float32 path transformers also computes), loading the model the user named (the
+default GGUF, so ``auto`` has the file's blocks); transformers runs once, on the same weights
+in float32.
 
     python scripts/bench_throughput.py                      # CPU, default SmolLM2-135M
     python scripts/bench_throughput.py --quick --threads 1  # smoke test
@@ -45,6 +48,11 @@ from nanokv_cli import LLM, SamplingParams  # noqa: E402
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_common_args(p)
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="nanokv quantization modes, comma-separated (default auto,none on CPU, none on CUDA)",
+    )
     p.add_argument("--num-seqs", type=int, default=None, help="default 64 (CPU), 256 (CUDA)")
     p.add_argument("--min-input", type=int, default=None, help="default 64 (CPU), 100 (CUDA)")
     p.add_argument("--max-input", type=int, default=None, help="default 512 (CPU), 1024 (CUDA)")
@@ -80,6 +88,9 @@ def parse_args() -> argparse.Namespace:
             setattr(args, name, value)
     if args.hf_seqs is None:
         args.hf_seqs = 64 if cuda and not args.quick else args.num_seqs
+    args.modes = [m.strip() for m in (args.modes or ("none" if cuda else "auto,none")).split(",")]
+    if not all(args.modes) or (cuda and args.modes != ["none"]):
+        p.error("--modes: comma-separated quantization modes; only none on CUDA")
     return args
 
 
@@ -94,8 +105,10 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
-def run_nanokv(args: argparse.Namespace, folder: str, prompts, max_tokens) -> dict:
-    kwargs = dict(dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager)
+def run_nanokv(args: argparse.Namespace, source, mode: str, prompts, max_tokens) -> dict:
+    kwargs = dict(
+        dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, quantization=mode
+    )
     if args.block_size:
         kwargs["block_size"] = args.block_size
     if args.max_num_batched_tokens:
@@ -104,7 +117,7 @@ def run_nanokv(args: argparse.Namespace, folder: str, prompts, max_tokens) -> di
         kwargs["kv_cache_memory"] = int(args.kv_cache_gib * (1 << 30))
     if args.device.startswith("cuda"):
         kwargs["max_model_len"] = 4096
-    llm = LLM(folder, **kwargs)
+    llm = LLM(source, **kwargs)
     params = [
         SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
         for n in max_tokens
@@ -124,6 +137,8 @@ def run_nanokv(args: argparse.Namespace, folder: str, prompts, max_tokens) -> di
         "num_blocks": llm.model_runner.num_blocks,
         "block_size": llm.engine.block_size,
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(llm.model_runner.kv_cache_dtype).removeprefix("torch."),
+        "quantization": llm.quantization or "none",
     }
 
 
@@ -153,7 +168,9 @@ def main() -> None:
     prompts, max_tokens = workload(args)
     with workdir() as tmp:
         folder = model_folder(args, resolve_dtype_name(args.dtype, args.device), tmp)
-        nano = run_nanokv(args, folder, prompts, max_tokens)
+        # transformers needs a Hugging Face folder; nanokv loads what the user named.
+        source = folder if args.random_weights else args.model
+        nano = {m: run_nanokv(args, source, m, prompts, max_tokens) for m in args.modes}
         hf = None if args.skip_hf else run_transformers(args, folder, prompts, max_tokens)
     result = {
         "benchmark": "throughput",
@@ -166,21 +183,26 @@ def main() -> None:
         "prompt_tokens": sum(map(len, prompts)),
         "nanokv": nano,
         "transformers": hf,
-        "ratio": None if hf is None else nano["tok_s"] / hf["tok_s"],
+        "ratio": None if hf is None else {m: r["tok_s"] / hf["tok_s"] for m, r in nano.items()},
     }
+    first = next(iter(nano.values()))
     lines = [
         f"workload: {args.num_seqs} seqs, {result['prompt_tokens']} prompt tokens, "
-        f"{nano['output_tokens']} output tokens; {nano['dtype']}, {args.device}, {threads} threads",
-        f"nanokv:       {nano['output_tokens']:6d} tok in {nano['seconds']:7.2f} s = "
-        f"{nano['tok_s']:8.1f} tok/s ({nano['steps']} steps, {nano['preemptions']} preemptions)",
+        f"{first['output_tokens']} output tokens; {args.device}, {threads} threads"
     ]
+    for mode, r in nano.items():
+        lines.append(
+            f"nanokv {mode:5s}: {r['output_tokens']:6d} tok in {r['seconds']:7.2f} s = "
+            f"{r['tok_s']:8.1f} tok/s ({r['steps']} steps, {r['preemptions']} preemptions; "
+            f"runs as {r['quantization']}, {r['dtype']} weights, {r['kv_cache_dtype']} K/V)"
+        )
     if hf is not None:
-        lines += [
+        lines.append(
             f"transformers: {hf['output_tokens']:6d} tok in {hf['seconds']:7.2f} s = "
             f"{hf['tok_s']:8.1f} tok/s (first {hf['seqs']} seqs, sub-batches of "
-            f"{args.hf_batch_size})",
-            f"ratio: {result['ratio']:.2f}x",
-        ]
+            f"{args.hf_batch_size})"
+        )
+        lines += [f"ratio {mode}: {ratio:.2f}x" for mode, ratio in result["ratio"].items()]
     emit(result, args.json, lines)
 
 

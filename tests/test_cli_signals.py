@@ -38,6 +38,11 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def steps_written(trace: Path) -> bool:
+    last = TraceReader(trace).state_at().last_snapshot
+    return last is not None and last.step > 0
+
+
 def test_sigint_leaves_a_valid_trace_and_report(tmp_path):
     trace, report = tmp_path / "run.trace", tmp_path / "report.json"
     proc = subprocess.Popen(
@@ -57,7 +62,9 @@ def test_sigint_leaves_a_valid_trace_and_report(tmp_path):
         text=True,
     )
     try:
-        wait_for(lambda: trace.exists() and trace.stat().st_size > 200_000)
+        # Interrupt once the trace holds a second whole step (its size alone once let the
+        # signal land before step 1 on a loaded machine).
+        wait_for(lambda: trace.exists() and trace.stat().st_size > 200_000 and steps_written(trace))
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:

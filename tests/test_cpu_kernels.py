@@ -52,10 +52,24 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 SHAPES = [(9, 3, 64, 256), (4, 4, 128, 16), (8, 2, 16, 1), (6, 2, 72, 7), (4, 1, 20, 5)]
 
 
+def cpu_has_f16c() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " f16c" in cpuinfo.read_text()
+
+
+def test_float16_cache_support_follows_the_cpu():
+    # The library is built with -march=native: F16C in the CPU means F16C in the kernels.
+    assert cpu_kernels.half_cache_supported() == cpu_has_f16c()
+
+
+CACHE_DTYPES = [torch.float32] + ([torch.float16] if cpu_has_f16c() else [])
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_paged_decode_matches_sdpa_and_reads_only_the_context(
-    heads, kv_heads, dim, block_size, threads
+    heads, kv_heads, dim, block_size, threads, cache_dtype
 ):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(heads * dim + block_size)
@@ -76,8 +90,10 @@ def test_paged_decode_matches_sdpa_and_reads_only_the_context(
     # q and out as row slices of wider tensors, as the model passes them.
     q = torch.randn(len(lens), heads + 2, dim, generator=g)[:, :heads]
     out = torch.zeros(len(lens), heads + 1, dim)[:, :heads]
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, dim**-0.5, out)
-    expected = reference_decode(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    # A float16 cache is read exactly: the kernel computes in float32 on its values.
+    expected = reference_decode(q, k_cache.float(), v_cache.float(), tables, lens, dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -120,15 +136,26 @@ def test_rotary_in_place_equals_torch_rotation():
     assert torch.equal(fused[:, : 5 * 64].view(6, 5, 64), expected)
 
 
-def test_store_kv_writes_each_row_to_its_slot():
-    fused = torch.arange(4 * 30, dtype=torch.float32).view(4, 30)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_store_kv_writes_each_row_to_its_slot(cache_dtype):
+    fused = torch.randn(4, 30, generator=torch.Generator().manual_seed(3)) * 100
+    fused[0, :3] = torch.tensor([70000.0, 1e-6, -0.0])  # overflow, subnormal, signed zero
     k, v = fused[:, :12].view(4, 2, 6), fused[:, 12:24].view(4, 2, 6)
-    k_cache, v_cache = torch.zeros(3, 4, 2, 6), torch.zeros(3, 4, 2, 6)
+    k_cache = torch.zeros(3, 4, 2, 6, dtype=cache_dtype)
+    v_cache = torch.zeros(3, 4, 2, 6, dtype=cache_dtype)
     slots = torch.tensor([11, 0, 5, 6])
     cpu_kernels.store_kv(k, v, slots, k_cache, v_cache)
-    assert torch.equal(k_cache.view(-1, 2, 6)[slots], k)
-    assert torch.equal(v_cache.view(-1, 2, 6)[slots], v)
+    # float16: rounded to nearest as torch rounds (inf past the range, subnormals kept).
+    assert torch.equal(k_cache.view(-1, 2, 6)[slots], k.to(cache_dtype))
+    assert torch.equal(v_cache.view(-1, 2, 6)[slots], v.to(cache_dtype))
     assert k_cache.view(-1, 2, 6)[[1, 2, 3, 4, 7]].abs().sum() == 0
+
+
+def test_kernels_refuse_other_cache_dtypes():
+    cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 8)
+    with pytest.raises(TypeError, match="bfloat16"):
+        cpu_kernels.store_kv(k, k, torch.tensor([0]), cache, cache)
 
 
 def test_silu_mul_matches_torch():

@@ -323,6 +323,78 @@ def test_resident_bytes_follow_the_mode():
     assert with_bias.nbytes == sizes["int4"] + 4 * rows  # a float32 bias
 
 
+# -- fixed-point batches (FixedPointLinear, LINEAR_I16) --------------------------------------------
+
+
+def simulate_fixed_point(w: torch.Tensor, x: torch.Tensor, bias=None) -> torch.Tensor:
+    """What LINEAR_I16 computes, in float64 from the same float32 roundings: weights to
+    integers in -8191..8191 per output row, inputs to -4095..4095 per 64 values. (numpy:
+    torch divides a scalar by a tensor through a reciprocal, off by an ulp from C's division.)"""
+
+    def rounded(v: np.ndarray, limit: float) -> tuple[np.ndarray, np.ndarray]:
+        peak = np.abs(v).max(-1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            inv = np.where(peak > 0, np.float32(limit) / peak, np.float32(0))
+        return np.rint(v * inv).astype(np.float64), (peak / np.float32(limit)).astype(np.float64)
+
+    w_q, w_scale = rounded(w.numpy(), 8191.0)  # [out, in], [out, 1]
+    x_q, x_scale = rounded(x.numpy().reshape(x.shape[0], -1, 64), 4095.0)  # [n, b, 64], [n, b, 1]
+    # Integer sums per 64-block are exact in float64; then scaled as the kernel does.
+    sums = np.einsum("ibk,obk->iob", x_q, w_q.reshape(w.shape[0], -1, 64))
+    y = (sums * x_scale[:, None, :, 0]).sum(2) * w_scale[:, 0]
+    y = torch.from_numpy(y)
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("out_features", [1, 16, 37, 960])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 300])
+def test_fixed_point_matches_its_rounding_exactly(out_features, rows):
+    # Tiles of 4 rows x 16 outputs (short last ones); 300 rows = 5 blocks of 64, which the
+    # threads take a block of rows at a time instead of splitting the outputs.
+    w = weight(out_features, 192, seed=out_features)
+    bias = torch.linspace(-1, 1, out_features)
+    layer = quant.FixedPointLinear(w, bias)
+    x = inputs(rows, 192, seed=rows)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    expected = simulate_fixed_point(w, x, bias)
+    assert (y.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # And the rounding itself costs ~1e-4 of the output: 14-bit weights, 13-bit inputs.
+    if out_features * rows >= 64:
+        assert rel_err(y, x @ w.T + bias) < 5e-4
+
+
+def test_fixed_point_outliers_stay_in_their_block():
+    # An outlier coarsens only its own 64-input block's rounding (one scale per block).
+    w = weight(128, 256)
+    x = inputs(8, 256)
+    clean = rel_err(quant.FixedPointLinear(w)(x), x @ w.T)
+    x[:, 5] *= 100
+    noisy = quant.FixedPointLinear(w)(x)
+    assert rel_err(noisy, x @ w.T) < 2e-3
+    assert rel_err(noisy, simulate_fixed_point(w, x)) < 1e-6
+    assert clean < 3e-4
+
+
+def test_fixed_point_reads_row_strided_inputs_and_keeps_dtypes():
+    layer = quant.FixedPointLinear(weight(40, 128))
+    wide = inputs(6, 200)
+    x = wide[:, 36:164]
+    assert x.stride() == (200, 1)
+    assert torch.equal(layer(x), layer(x.contiguous()))
+    y = layer(x.to(torch.bfloat16).view(2, 3, 128))  # any leading shape, the caller's dtype
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 40)
+
+
+def test_fixed_point_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        quant.FixedPointLinear(weight(16, 96))
+    layer = quant.FixedPointLinear(weight(16, 64))
+    assert layer.nbytes == 16 * 64 * 2 + 16 * 4  # two bytes per weight, a scale per row
+    with pytest.raises(TypeError, match="float32 scales"):
+        layer.to(torch.float16)
+
+
 # -- GGUF blocks --------------------------------------------------------------------------------
 
 

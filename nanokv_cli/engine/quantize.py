@@ -11,7 +11,10 @@ Modes:
 
 - ``auto`` (the default): the float model as loaded, plus, for a GGUF file, a quantized twin of
   each projection and of the LM head made of the file's own blocks (``attach_file_blocks``),
-  which serves steps of fewer than ``AUTO_MAX_ROWS`` rows. Both hold the same weights. Where
+  which serves steps of fewer than ``AUTO_MAX_ROWS`` rows, and a fixed-point copy
+  (``layers.quant.FixedPointLinear``, 14-bit weights) for batched decode steps up to
+  ``FixedPointLinear.max_rows`` rows; prefills run on the float weights. All three hold the
+  same weights. Where
   the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file has no blocks
   (safetensors), it is ``none``.
 - ``int8``: projections, LM head and embedding table in int8 groups of 32 (Q8_0).
@@ -42,13 +45,13 @@ from torch import nn
 from .layers import cpu_kernels
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import LinearBase
-from .layers.quant import GROUP_SIZE, QuantizedEmbedding, QuantizedLinear
+from .layers.quant import GROUP_SIZE, FixedPointLinear, QuantizedEmbedding, QuantizedLinear
 from .loader import QuantizedTensor, load_gguf_quantized
 from .models import load_weights
 
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8", "int4")
-# ``auto``: steps of fewer rows than this run on the quantized twins, others on the float
-# weights. SmolLM2's 30 layers, AVX2, 1 thread, ms per step (twin kernel / float32 F.linear):
+# ``auto``: steps of fewer rows than this run on the quantized twins, others on the
+# fixed-point copies or the float weights. SmolLM2's 30 layers, AVX2, 1 thread, ms per step (twin kernel / float32 F.linear):
 # 12 rows 66 / 76, 16 rows 88 / 86, 24 rows 130 / 107.
 AUTO_MAX_ROWS = 16
 HEAD_MODE = "int8"
@@ -142,6 +145,8 @@ def attach_file_blocks(model: nn.Module, blocks: Mapping[str, QuantizedTensor]) 
         twin = QuantizedLinear.from_parts(parts, mode, bias, float_inputs=head)
         twin.dense_min_rows = AUTO_MAX_ROWS
         module.quantized = twin
+        if module.weight.shape[1] % cpu_kernels.I16_BLOCK == 0:
+            module.fixed = FixedPointLinear(module.weight, bias)
         attached += 1
     return attached
 
@@ -180,10 +185,11 @@ def quantize_model(model: nn.Module, mode: str, weights: Mapping[str, Weight]) -
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's weights: parameters and quantized buffers, shared ones once."""
+    """Bytes held by the model's weights: parameters and quantized or fixed-point buffers,
+    shared ones once."""
     tensors: list[torch.Tensor] = list(model.parameters())
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, FixedPointLinear)):
             tensors.extend(module.buffers(recurse=False))
     seen: dict[int, int] = {}
     for t in tensors:

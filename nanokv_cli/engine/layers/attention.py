@@ -189,7 +189,7 @@ class Attention(nn.Module):
     def _gather(
         self, slots: torch.Tensor, workspace: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows [len(slots), kv_heads, hd] of these cache slots."""
+        """K and V rows [len(slots), kv_heads, hd] of these cache slots, in the cache's dtype."""
         kvh, hd = self.num_kv_heads, self.head_dim
         k_rows, v_rows = self.k_cache.view(-1, kvh, hd), self.v_cache.view(-1, kvh, hd)
         if workspace is None:
@@ -212,6 +212,7 @@ class Attention(nn.Module):
         # a KV head are folded into SDPA's query-length axis ([n, kv_heads, group, hd] against
         # [n, kv_heads, len, hd]): GQA with no repeated K/V.
         key, value = self._gather(g.slots, workspace)
+        key, value = key.to(q.dtype), value.to(q.dtype)  # a float16 cache under float32
         key, value = key.view(n, max_len, kvh, hd), value.view(n, max_len, kvh, hd)
         query = q[g.start : g.end].view(n, kvh, self.group, hd)
         o = F.scaled_dot_product_attention(
@@ -232,6 +233,7 @@ class Attention(nn.Module):
             key, value = k[c.start : c.end], v[c.start : c.end]
         else:
             key, value = self._gather(c.ctx_slots, workspace)
+            key, value = key.to(q.dtype), value.to(q.dtype)  # a float16 cache under float32
         if not uses_sdpa_prefill(q.dtype):
             return self._prefill_blockwise(q[c.start : c.end], key, value, c.num_cached)
         query = q[c.start : c.end].transpose(0, 1)  # [heads, n, hd]

@@ -5,6 +5,49 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        v.f = (float)mantissa * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exponent == 31) {
+        v.u = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+        v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    }
+    return v.f;
+#endif
+}
+
+/* The KV cache holds float32 or, where F16C converts in hardware, float16 (half the bytes a
+   decode step reads; see ModelRunner.kv_cache_dtype). Element `index` of a cache row: */
+static inline __attribute__((always_inline)) float cache_load1(const void *base, int64_t index, int half) {
+    return half ? half_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+#ifdef __AVX2__
+static inline __attribute__((always_inline)) __m256 cache_load8(const void *base, int64_t index, int half) {
+#ifdef __F16C__
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + index)));
+#endif
+    return _mm256_loadu_ps((const float *)base + index);
+}
+#endif
+
+int cache_half_supported(void) {
+#ifdef __F16C__
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* exp(x) for x <= 88, Cephes-style 2^n * p(r) in plain arithmetic, so the loops around it
    vectorise; relative error ~1e-7; below -87 it returns ~exp(-87). */
@@ -78,12 +121,24 @@ void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t di
     }
 }
 
-/* k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i]; rows of `row` floats, token strides given. */
+/* k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i]; rows of `row` floats, token strides given;
+   a float16 cache (half != 0, F16C builds only) stores them rounded to nearest. */
 void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                  const int64_t *slots, int64_t n, int64_t row, float *k_cache, float *v_cache) {
+                  const int64_t *slots, int64_t n, int64_t row, void *k_cache, void *v_cache,
+                  int half) {
     for (int64_t i = 0; i < n; i++) {
-        memcpy(k_cache + slots[i] * row, k + i * k_stride, sizeof(float) * row);
-        memcpy(v_cache + slots[i] * row, v + i * v_stride, sizeof(float) * row);
+        if (!half) {
+            memcpy((float *)k_cache + slots[i] * row, k + i * k_stride, sizeof(float) * row);
+            memcpy((float *)v_cache + slots[i] * row, v + i * v_stride, sizeof(float) * row);
+            continue;
+        }
+#ifdef __F16C__
+        uint16_t *kd = (uint16_t *)k_cache + slots[i] * row, *vd = (uint16_t *)v_cache + slots[i] * row;
+        for (int64_t d = 0; d < row; d++) {
+            kd[d] = _cvtss_sh(k[i * k_stride + d], _MM_FROUND_TO_NEAREST_INT);
+            vd[d] = _cvtss_sh(v[i * v_stride + d], _MM_FROUND_TO_NEAREST_INT);
+        }
+#endif
     }
 }
 
@@ -98,27 +153,27 @@ void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int thre
     }
 }
 
-/* scores[t] = scale * (q . k_t), k_t = k + t * stride, t < m */
-static void key_scores(const float *q, const float *k, int64_t stride, int64_t m, int64_t dim,
-                       float scale, float *scores) {
+/* scores[t] = scale * (q . k_t), k_t = k + t * stride (cache elements), t < m */
+static inline __attribute__((always_inline)) void key_scores(const float *q, const void *k,
+        int64_t stride, int64_t m, int64_t dim, float scale, float *scores, int half) {
     int64_t t = 0;
 #ifdef __AVX2__
     if (dim % 8 == 0) {
         const __m256 vscale = _mm256_set1_ps(scale);
         for (; t + 8 <= m; t += 8) {
-            const float *k0 = k + t * stride;
+            const int64_t k0 = t * stride;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             __m256 a4 = a0, a5 = a0, a6 = a0, a7 = a0;
             for (int64_t d = 0; d < dim; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + stride + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * stride + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * stride + d), a3);
-                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 4 * stride + d), a4);
-                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 5 * stride + d), a5);
-                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 6 * stride + d), a6);
-                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 7 * stride + d), a7);
+                a0 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + d, half), a0);
+                a1 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + stride + d, half), a1);
+                a2 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 2 * stride + d, half), a2);
+                a3 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 3 * stride + d, half), a3);
+                a4 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 4 * stride + d, half), a4);
+                a5 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 5 * stride + d, half), a5);
+                a6 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 6 * stride + d, half), a6);
+                a7 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 7 * stride + d, half), a7);
             }
             /* Horizontal sums of the eight accumulators, as one vector of eight scores. */
             const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -130,16 +185,15 @@ static void key_scores(const float *q, const float *k, int64_t stride, int64_t m
     }
 #endif
     for (; t < m; t++) {
-        const float *kt = k + t * stride;
         float s = 0.0f;
-        for (int64_t d = 0; d < dim; d++) s += q[d] * kt[d];
+        for (int64_t d = 0; d < dim; d++) s += q[d] * cache_load1(k, t * stride + d, half);
         scores[t] = s * scale;
     }
 }
 
-/* acc[d] += sum_t p[t] * v_t[d], v_t = v + t * stride, t < m */
-static void weighted_values(const float *p, const float *v, int64_t stride, int64_t m,
-                            int64_t dim, float *acc) {
+/* acc[d] += sum_t p[t] * v_t[d], v_t = v + t * stride (cache elements), t < m */
+static inline __attribute__((always_inline)) void weighted_values(const float *p, const void *v,
+        int64_t stride, int64_t m, int64_t dim, float *acc, int half) {
     int64_t d0 = 0;
 #ifdef __AVX2__
     for (; d0 + 64 <= dim; d0 += 64) {
@@ -149,16 +203,16 @@ static void weighted_values(const float *p, const float *v, int64_t stride, int6
         __m256 a4 = _mm256_loadu_ps(a + 32), a5 = _mm256_loadu_ps(a + 40);
         __m256 a6 = _mm256_loadu_ps(a + 48), a7 = _mm256_loadu_ps(a + 56);
         for (int64_t t = 0; t < m; t++) {
-            const float *vt = v + t * stride + d0;
+            const int64_t vt = t * stride + d0;
             const __m256 pt = _mm256_set1_ps(p[t]);
-            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
-            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
-            a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
-            a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
-            a4 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 32), a4);
-            a5 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 40), a5);
-            a6 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 48), a6);
-            a7 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 56), a7);
+            a0 = _mm256_fmadd_ps(pt, cache_load8(v, vt, half), a0);
+            a1 = _mm256_fmadd_ps(pt, cache_load8(v, vt + 8, half), a1);
+            a2 = _mm256_fmadd_ps(pt, cache_load8(v, vt + 16, half), a2);
+            a3 = _mm256_fmadd_ps(pt, cache_load8(v, vt + 24, half), a3);
+            a4 = _mm256_fmadd_ps(pt, cache_load8(v, vt + 32, half), a4);
+            a5 = _mm256_fmadd_ps(pt, cache_load8(v, vt + 40, half), a5);
+            a6 = _mm256_fmadd_ps(pt, cache_load8(v, vt + 48, half), a6);
+            a7 = _mm256_fmadd_ps(pt, cache_load8(v, vt + 56, half), a7);
         }
         _mm256_storeu_ps(a, a0); _mm256_storeu_ps(a + 8, a1);
         _mm256_storeu_ps(a + 16, a2); _mm256_storeu_ps(a + 24, a3);
@@ -167,24 +221,25 @@ static void weighted_values(const float *p, const float *v, int64_t stride, int6
     }
 #endif
     for (int64_t t = 0; t < m; t++) {
-        const float *vt = v + t * stride;
         const float pt = p[t];
-        for (int64_t d = d0; d < dim; d++) acc[d] += pt * vt[d];
+        for (int64_t d = d0; d < dim; d++) acc[d] += pt * cache_load1(v, t * stride + d, half);
     }
 }
 
 /* One query token per sequence: q [n, heads, dim] (token stride q_stride), caches
    [num_blocks, block_size, kv_heads, dim], block_tables [n, width], out [n, heads, dim]
-   (token stride out_stride). Sequence i attends to its first context_lens[i] positions. */
-int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
-                     const float *v_cache, const int64_t *block_tables,
+   (token stride out_stride). Sequence i attends to its first context_lens[i] positions.
+   half: the caches hold float16 (F16C builds only). */
+int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
+                     const void *v_cache, const int64_t *block_tables,
                      const int64_t *context_lens, int64_t n, int64_t width, int64_t heads,
                      int64_t kv_heads, int64_t dim, int64_t block_size, float scale,
-                     float *out, int64_t out_stride, int threads) {
+                     float *out, int64_t out_stride, int half, int threads) {
     /* One work item per (sequence, KV head): the query heads sharing that KV head (GQA) take
        each cache block in turn while it is in cache, so K and V come from memory once per
        KV head, not once per query head. */
     const int64_t group = heads / kv_heads, slot = kv_heads * dim;
+    if (half && !cache_half_supported()) return 1;
     int64_t max_len = 0;
     for (int64_t i = 0; i < n; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
     const int64_t row = max_len + 8;
@@ -204,9 +259,13 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
                 float *oi = out + i * out_stride + h * group * dim;
                 for (int64_t t0 = 0; t0 < len; t0 += block_size) {
                     const int64_t m = len - t0 < block_size ? len - t0 : block_size;
-                    const float *k = k_cache + (table[t0 / block_size] * block_size * kv_heads + h) * dim;
-                    for (int64_t g = 0; g < group; g++)
-                        key_scores(qi + g * dim, k, slot, m, dim, scale, scores + g * row + t0);
+                    const int64_t at = (table[t0 / block_size] * block_size * kv_heads + h) * dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        if (half)
+                            key_scores(qi + g * dim, (const uint16_t *)k_cache + at, slot, m, dim, scale, scores + g * row + t0, 1);
+                        else
+                            key_scores(qi + g * dim, (const float *)k_cache + at, slot, m, dim, scale, scores + g * row + t0, 0);
+                    }
                 }
                 float totals[group];
                 for (int64_t g = 0; g < group; g++) {
@@ -222,9 +281,13 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
                 memset(oi, 0, sizeof(float) * (size_t)(group * dim));
                 for (int64_t t0 = 0; t0 < len; t0 += block_size) {
                     const int64_t m = len - t0 < block_size ? len - t0 : block_size;
-                    const float *v = v_cache + (table[t0 / block_size] * block_size * kv_heads + h) * dim;
-                    for (int64_t g = 0; g < group; g++)
-                        weighted_values(scores + g * row + t0, v, slot, m, dim, oi + g * dim);
+                    const int64_t at = (table[t0 / block_size] * block_size * kv_heads + h) * dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        if (half)
+                            weighted_values(scores + g * row + t0, (const uint16_t *)v_cache + at, slot, m, dim, oi + g * dim, 1);
+                        else
+                            weighted_values(scores + g * row + t0, (const float *)v_cache + at, slot, m, dim, oi + g * dim, 0);
+                    }
                 }
                 for (int64_t g = 0; g < group; g++) {
                     const float inv = 1.0f / totals[g];
@@ -252,34 +315,17 @@ int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
    so the inner loop is integer multiply-adds: 32 products per AVX2 instruction.
    ------------------------------------------------------------------------------------------ */
 
-enum { LINEAR_F32 = 0, LINEAR_Q8 = 1, LINEAR_Q4 = 2, LINEAR_Q8_FLOAT_INPUT = 3 };
+enum { LINEAR_F32 = 0, LINEAR_Q8 = 1, LINEAR_Q4 = 2, LINEAR_Q8_FLOAT_INPUT = 3, LINEAR_I16 = 4 };
 #define QBLOCK 32
 
 typedef struct {
     int64_t kind, out, in;
     const void *weight;
-    const uint16_t *scale; /* quantized: float16 [out][in / 32] */
+    const uint16_t *scale; /* quantized: float16 [out][in / 32]; LINEAR_I16: float32 [out] */
     const uint16_t *zero;  /* LINEAR_Q4: float16 [out][in / 32] */
     const float *bias;  /* [out] or NULL */
 } Linear;
 
-static inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    union { uint32_t u; float f; } v;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
-        v.f = (float)mantissa * 5.9604644775390625e-8f;
-        v.u |= sign;
-    } else if (exponent == 31) {
-        v.u = sign | 0x7F800000u | (mantissa << 13);
-    } else {
-        v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    }
-    return v.f;
-#endif
-}
 
 /* Input rows quantized per 32-block: q = round(x / d), d = max|x| / 127; sum = d * sum(q). */
 typedef struct {
@@ -480,8 +526,167 @@ static float row_q8_float(const Linear *L, int64_t o, const float *x) {
 
 /* y [n, out] (row stride y_stride) = x [n, in] (row stride x_stride) W^T + b. Quantized kinds
    need in % 32 == 0. Returns nonzero if out of memory. */
+/* ---- Fixed-point GEMM for batches (LINEAR_I16) ------------------------------------------------
+   Float32 weights rounded once to 14-bit integers per output row, inputs to 13-bit integers per
+   64 values, multiplied with vpmaddwd: 16 products per instruction against an FMA's 8, and the
+   weights take half the bytes. Integer sums stay exact: a 64-value block sums at most
+   64 * 8191 * 4095 < 2^31 (the bit budget; the weights get the extra bit because one scale
+   covers a whole row).
+   Weight layout, panels of 16 output rows: [ceil(out / 16)][in / 2][16] int32, each int32 the
+   pair (w[o][2t], w[o][2t + 1]) as int16, so one vector holds 8 outputs' next two weights. */
+#define I16_BLOCK 64
+#define I16_WMAX 8191.0f
+#define I16_XMAX 4095.0f
+#define I16_ROWS 4    /* input rows per tile: 8 accumulators + 2 weights + 4 broadcasts */
+#define I16_ROW_BLOCK 64
+
+int64_t i16_packed_ints(int64_t out, int64_t in) { return (out + 15) / 16 * 16 * (in / 2); }
+
+/* w [out, in] float32 -> packed (i16_packed_ints int32) and scale [round_up(out, 16)]. */
+int pack_i16(const float *w, int64_t out, int64_t in, int32_t *packed, float *scale, int threads) {
+    if (in % I16_BLOCK) return 1;
+    const int64_t panels = (out + 15) / 16, pairs = in / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels >= 8)
+    for (int64_t p = 0; p < panels; p++) {
+        int16_t *dst = (int16_t *)(packed + p * pairs * 16);
+        for (int c = 0; c < 16; c++) {
+            const int64_t o = p * 16 + c;
+            float amax = 0.0f;
+            for (int64_t j = 0; o < out && j < in; j++) amax = fmaxf(amax, fabsf(w[o * in + j]));
+            scale[o] = amax / I16_WMAX;
+            const float inv = amax > 0.0f ? I16_WMAX / amax : 0.0f;
+            for (int64_t j = 0; j < in; j++)
+                dst[((j / 2) * 16 + c) * 2 + (j & 1)] = o < out ? (int16_t)lrintf(w[o * in + j] * inv) : 0;
+        }
+    }
+    return 0;
+}
+
+/* x [n, in] -> int16 q [n_padded, in] and scales [n_padded, in / 64]; padding rows are zero. */
+static void quantize_i16(const float *x, int64_t x_stride, int64_t n, int64_t n_padded, int64_t in,
+                         int16_t *q, float *d) {
+    const int64_t blocks = in / I16_BLOCK;
+    for (int64_t i = 0; i < n_padded; i++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            int16_t *qb = q + i * in + b * I16_BLOCK;
+            if (i >= n) {
+                memset(qb, 0, I16_BLOCK * sizeof(int16_t));
+                d[i * blocks + b] = 0.0f;
+                continue;
+            }
+            const float *xb = x + i * x_stride + b * I16_BLOCK;
+            float amax = 0.0f;
+            for (int j = 0; j < I16_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float inv = amax > 0.0f ? I16_XMAX / amax : 0.0f;
+            d[i * blocks + b] = amax / I16_XMAX;
+            for (int j = 0; j < I16_BLOCK; j++) qb[j] = (int16_t)lrintf(xb[j] * inv);
+        }
+    }
+}
+
+/* sums[I16_ROWS][16] = the tile's dot products, each 64-block's integer sum times its input
+   scale (the weight scale is applied by the caller). */
+static void tile_i16(const int32_t *x, int64_t pairs, const float *d, const int32_t *panel,
+                     float *sums) {
+    const int64_t blocks = pairs * 2 / I16_BLOCK;
+    for (int j = 0; j < I16_ROWS * 16; j++) sums[j] = 0.0f;
+#ifdef __AVX2__
+/* Named accumulators, not an array: with an array gcc spills them to the stack. */
+#define I16_ROW_STEP(r)                                                                 \
+    {                                                                                   \
+        const __m256i xr = _mm256_set1_epi32(xt[(r) * pairs + t]);                      \
+        c##r##0 = _mm256_add_epi32(c##r##0, _mm256_madd_epi16(xr, w0));                 \
+        c##r##1 = _mm256_add_epi32(c##r##1, _mm256_madd_epi16(xr, w1));                 \
+    }
+#define I16_ROW_FLUSH(r)                                                                \
+    {                                                                                   \
+        const __m256 dr = _mm256_set1_ps(d[(r) * blocks + b]);                          \
+        float *sr = sums + (r) * 16;                                                    \
+        _mm256_storeu_ps(sr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##0), dr, _mm256_loadu_ps(sr))); \
+        _mm256_storeu_ps(sr + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##1), dr, _mm256_loadu_ps(sr + 8))); \
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
+                c21 = c00, c30 = c00, c31 = c00;
+        const int32_t *wt = panel + b * (I16_BLOCK / 2) * 16, *xt = x + b * (I16_BLOCK / 2);
+        for (int t = 0; t < I16_BLOCK / 2; t++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wt + t * 16));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wt + t * 16 + 8));
+            I16_ROW_STEP(0) I16_ROW_STEP(1) I16_ROW_STEP(2) I16_ROW_STEP(3)
+        }
+        I16_ROW_FLUSH(0) I16_ROW_FLUSH(1) I16_ROW_FLUSH(2) I16_ROW_FLUSH(3)
+    }
+#else
+    for (int64_t b = 0; b < blocks; b++)
+        for (int r = 0; r < I16_ROWS; r++)
+            for (int c = 0; c < 16; c++) {
+                int32_t acc = 0;
+                for (int64_t t = b * (I16_BLOCK / 2); t < (b + 1) * (I16_BLOCK / 2); t++) {
+                    const int16_t *xp = (const int16_t *)(x + r * pairs + t);
+                    const int16_t *wp = (const int16_t *)(panel + t * 16 + c);
+                    acc += (int32_t)xp[0] * wp[0] + (int32_t)xp[1] * wp[1];
+                }
+                sums[r * 16 + c] += (float)acc * d[r * blocks + b];
+            }
+#endif
+}
+
+static void panel_i16(const Linear *L, int64_t p, int64_t i0, int64_t i1, const int32_t *qx,
+                      const float *d, float *y, int64_t y_stride) {
+    const int64_t pairs = L->in / 2, blocks = L->in / I16_BLOCK;
+    const int64_t o = p * 16, width = L->out - o < 16 ? L->out - o : 16;
+    const float *scale = (const float *)L->scale + o;
+    for (int64_t i = i0; i < i1; i += I16_ROWS) {
+        float sums[I16_ROWS * 16];
+        tile_i16(qx + i * pairs, pairs, d + i * blocks, (const int32_t *)L->weight + p * pairs * 16, sums);
+        for (int64_t r = 0; r < I16_ROWS && i + r < i1; r++)
+            for (int64_t c = 0; c < width; c++)
+                y[(i + r) * y_stride + o + c] =
+                    sums[r * 16 + c] * scale[c] + (L->bias != NULL ? L->bias[o + c] : 0.0f);
+    }
+}
+
+static int linear_i16(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
+                      int64_t y_stride, int threads) {
+    const int64_t in = L->in, padded = (n + I16_ROWS - 1) / I16_ROWS * I16_ROWS;
+    int16_t *q = malloc(sizeof(int16_t) * (size_t)(padded * in));
+    float *d = malloc(sizeof(float) * (size_t)(padded * (in / I16_BLOCK)));
+    if (q == NULL || d == NULL) {
+        free(q);
+        free(d);
+        return 1;
+    }
+    quantize_i16(x, x_stride, n, padded, in, q, d);
+    const int64_t panels = (L->out + 15) / 16, row_blocks = (n + I16_ROW_BLOCK - 1) / I16_ROW_BLOCK;
+    /* Few rows: the threads split the panels. Many: each thread takes whole blocks of rows
+       (kept in its L2) and streams every panel past them. */
+    const int by_rows = row_blocks >= 4;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && n * L->out >= 16384)
+    {
+#ifdef _OPENMP
+        const int id = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+        const int id = 0, team = 1;
+#endif
+        for (int64_t rb = 0; rb < row_blocks; rb++) {
+            const int64_t i0 = rb * I16_ROW_BLOCK, i1 = i0 + I16_ROW_BLOCK < n ? i0 + I16_ROW_BLOCK : n;
+            if (by_rows) {
+                if (rb % team == id)
+                    for (int64_t p = 0; p < panels; p++) panel_i16(L, p, i0, i1, (const int32_t *)q, d, y, y_stride);
+            } else {
+                #pragma omp for schedule(static) nowait
+                for (int64_t p = 0; p < panels; p++) panel_i16(L, p, i0, i1, (const int32_t *)q, d, y, y_stride);
+            }
+        }
+    }
+    free(q);
+    free(d);
+    return 0;
+}
+
 int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
                int64_t y_stride, int threads) {
+    if (L->kind == LINEAR_I16) return linear_i16(L, x, x_stride, n, y, y_stride, threads);
     QuantRows qr = {NULL, NULL, NULL};
     if (L->kind == LINEAR_Q8 || L->kind == LINEAR_Q4) {
         const int64_t blocks = L->in / QBLOCK;
@@ -572,7 +777,7 @@ typedef struct {
     Linear qkv, o, gate_up, down;
     const float *input_norm, *post_norm;
     const float *q_norm, *k_norm; /* Qwen3's per-head norms, or NULL */
-    float *k_cache, *v_cache;     /* [num_blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;      /* [num_blocks, block_size, kv_heads, head_dim] */
 } DecoderLayer;
 
 typedef struct {
@@ -581,6 +786,7 @@ typedef struct {
     const float *rope; /* [max_position, 2, head_dim], as rotary_f32 reads it */
     const float *final_norm;
     const DecoderLayer *layers;
+    int64_t cache_half; /* the caches hold float16 */
 } Decoder;
 
 /* hidden [n, hidden]: the tokens' embeddings in, the final normed hidden states out. Token i
@@ -615,10 +821,11 @@ int decode_step_f32(const Decoder *m, float *hidden, int64_t n, const int64_t *p
         }
         rotary_f32(qkv, qkv_size, n, m->heads + m->kv_heads, hd, m->rope, positions, threads);
         store_kv_f32(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, slots, n, kv_size,
-                     layer->k_cache, layer->v_cache);
+                     layer->k_cache, layer->v_cache, (int)m->cache_half);
         failed |= paged_decode_f32(qkv, qkv_size, layer->k_cache, layer->v_cache, block_tables,
                                    context_lens, n, width, m->heads, m->kv_heads, hd,
-                                   m->block_size, m->scale, attn, q_size, threads);
+                                   m->block_size, m->scale, attn, q_size, (int)m->cache_half,
+                                   threads);
         failed |= linear_f32(&layer->o, attn, q_size, n, hidden, h, threads);
         rms_norm_f32(hidden, h, residual, h, layer->post_norm, n, 1, h, m->eps, normed, h, threads);
         failed |= linear_f32(&layer->gate_up, normed, h, n, gate_up, 2 * inter, threads);

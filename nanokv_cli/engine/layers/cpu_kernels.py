@@ -57,7 +57,9 @@ _ENV_SWITCH = "NANOKV_CPU_KERNELS"
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 # Weight storage kinds of the C ``Linear`` (see cpu_kernels.c).
-LINEAR_F32, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_FLOAT_INPUT = 0, 1, 2, 3
+LINEAR_F32, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_FLOAT_INPUT, LINEAR_I16 = 0, 1, 2, 3, 4
+# LINEAR_I16 rounds inputs per this many values; the input size must be a multiple of it.
+I16_BLOCK = 64
 
 
 class LinearSpec(ctypes.Structure):
@@ -104,13 +106,14 @@ class DecoderSpec(ctypes.Structure):
         ("rope", _ptr),
         ("final_norm", _ptr),
         ("layers", ctypes.POINTER(DecoderLayerSpec)),
+        ("cache_half", _i64),
     ]
 
 
 _SIGNATURES = {
     "paged_decode_f32": (
         [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr]
-        + [_i64, _int],
+        + [_i64, _int, _int],
         _int,
     ),
     "rms_norm_f32": (
@@ -118,10 +121,13 @@ _SIGNATURES = {
         None,
     ),
     "rotary_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
-    "store_kv_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr], None),
+    "store_kv_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int], None),
+    "cache_half_supported": ([], _int),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr, _int], None),
     "linear_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _i64, _ptr, _i64, _int], _int),
     "dequantize_rows_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _ptr, _int], None),
+    "i16_packed_ints": ([_i64, _i64], _i64),
+    "pack_i16": ([_ptr, _i64, _i64, _ptr, _ptr, _int], _int),
     "decode_step_f32": (
         [ctypes.POINTER(DecoderSpec), _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
         _int,
@@ -132,6 +138,17 @@ _SIGNATURES = {
 def available() -> bool:
     """Whether the kernels can run here (built, or buildable now)."""
     return _library() is not None
+
+
+def half_cache_supported() -> bool:
+    """Whether the kernels read and write a float16 KV cache here (a CPU with F16C)."""
+    return available() and bool(_library().cache_half_supported())
+
+
+def _is_half(cache: torch.Tensor) -> int:
+    if cache.dtype not in (torch.float32, torch.float16):
+        raise TypeError(f"the CPU kernels take a float32 or float16 KV cache, not {cache.dtype}")
+    return int(cache.dtype == torch.float16)
 
 
 def paged_decode(
@@ -168,6 +185,7 @@ def paged_decode(
         scale,
         out.data_ptr(),
         out.stride(0),
+        _is_half(k_cache),
         torch.get_num_threads(),
     )
     if failed:
@@ -233,7 +251,8 @@ def store_kv(
     v_cache: torch.Tensor,
 ) -> None:
     """k_cache/v_cache slot ``slots[i]`` = k[i]/v[i]; k, v [n, kv_heads, dim] with heads and
-    dim packed (token rows may be strided); caches contiguous."""
+    dim packed (token rows may be strided); caches contiguous, float32 or float16 (rounded to
+    nearest; see ``half_cache_supported``)."""
     n, kv_heads, dim = k.shape
     _library().store_kv_f32(
         k.data_ptr(),
@@ -245,6 +264,7 @@ def store_kv(
         kv_heads * dim,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        _is_half(k_cache),
     )
 
 
@@ -263,15 +283,17 @@ def linear_spec(
     scale: torch.Tensor | None = None,
     zero: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    out_features: int | None = None,
 ) -> LinearSpec:
     """The C view of a linear layer: ``weight`` float32 [out, in], int8 [out, in] or packed 4-bit
-    uint8 [out, in / 2]; ``scale``/``zero`` float16 [out, in / 32]; ``bias`` float32 [out]."""
+    uint8 [out, in / 2]; ``scale``/``zero`` float16 [out, in / 32]; ``bias`` float32 [out]. For
+    ``LINEAR_I16``, ``weight`` and ``scale`` as ``pack_i16`` returns them, and ``out_features``."""
     for t in (weight, scale, zero, bias):
         if t is not None and not t.is_contiguous():
             raise ValueError("linear_spec needs contiguous tensors")
     return LinearSpec(
         kind,
-        weight.shape[0],
+        weight.shape[0] if out_features is None else out_features,
         in_features,
         weight.data_ptr(),
         None if scale is None else scale.data_ptr(),
@@ -297,6 +319,27 @@ def linear(spec: LinearSpec, x: torch.Tensor, out: torch.Tensor | None = None) -
     if failed:
         raise MemoryError("the CPU linear kernel could not allocate its input buffer")
     return out
+
+
+def pack_i16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 weight [out, in] as ``LINEAR_I16`` reads it: 12-bit integers per output row in
+    panels of 16 rows (int32 pairs), and float32 row scales (padded to a multiple of 16)."""
+    out_features, in_features = weight.shape
+    if in_features % I16_BLOCK:
+        raise ValueError(f"input size {in_features} is not a multiple of {I16_BLOCK}")
+    lib = _library()
+    w = weight.detach().float().contiguous()
+    packed = torch.empty(lib.i16_packed_ints(out_features, in_features), dtype=torch.int32)
+    scale = torch.zeros((out_features + 15) // 16 * 16, dtype=torch.float32)
+    lib.pack_i16(
+        w.data_ptr(),
+        out_features,
+        in_features,
+        packed.data_ptr(),
+        scale.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return packed, scale
 
 
 def dequantize_rows(spec: LinearSpec, rows: torch.Tensor) -> torch.Tensor:

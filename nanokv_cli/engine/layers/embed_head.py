@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import copy_checked, linear
+from .linear import auto_twin, copy_checked, linear
 from .tp import divide, tp_rank, tp_size
 
 
@@ -52,12 +52,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
         self.packed_row: torch.Tensor | None = None
-        # ``--quantization auto``: the file's quantized blocks for few rows (see LinearBase).
+        # ``--quantization auto``: the file's quantized blocks for few rows and a fixed-point
+        # copy for batches (see LinearBase).
         self.quantized: nn.Module | None = None
+        self.fixed: nn.Module | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.quantized is not None and hidden.shape[0] < self.quantized.dense_min_rows:
-            return self.quantized(hidden)
+        twin = auto_twin(self, hidden.shape[0])
+        if twin is not None:
+            return twin(hidden)
         logits = linear(hidden, self.weight, None, self.packed_row)
         if self.tp_size == 1:
             return logits

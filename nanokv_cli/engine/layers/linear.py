@@ -51,6 +51,17 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def auto_twin(module: nn.Module, rows: int) -> nn.Module | None:
+    """The ``--quantization auto`` copy of a layer's weights that serves ``rows`` input rows:
+    the model file's blocks for few rows, the fixed-point copy for batches; None: the float
+    weights (prefills, and every step without ``auto``)."""
+    if module.quantized is not None and rows < module.quantized.dense_min_rows:
+        return module.quantized
+    if module.fixed is not None and rows < module.fixed.max_rows:
+        return module.fixed
+    return None
+
+
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy ``loaded`` into ``param`` (converting dtype), rejecting a shape mismatch."""
     if param.shape != loaded.shape:
@@ -70,9 +81,11 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
         self.packed_row: torch.Tensor | None = None
-        # ``--quantization auto``: the same weights as a model file's quantized blocks, which
-        # serve steps of few rows (quantize.attach_file_blocks); one rank only.
+        # ``--quantization auto`` (quantize.attach_file_blocks), one rank only: the same weights
+        # as a model file's quantized blocks, which serve steps of few rows, and as a
+        # fixed-point copy for batches (see auto_twin).
         self.quantized: nn.Module | None = None
+        self.fixed: nn.Module | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -90,8 +103,9 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] < self.quantized.dense_min_rows:
-            return self.quantized(x)
+        twin = auto_twin(self, x.shape[0])
+        if twin is not None:
+            return twin(x)
         return linear(x, self.weight, self.bias, self.packed_row)
 
 
@@ -157,8 +171,9 @@ class RowParallelLinear(LinearBase):
         super().__init__(inp, output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] < self.quantized.dense_min_rows:
-            return self.quantized(x)
+        twin = auto_twin(self, x.shape[0])
+        if twin is not None:  # one rank only: no all-reduce
+            return twin(x)
         # The bias belongs to the sum, so only one rank adds it.
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.packed_row)
         if self.tp_size > 1:

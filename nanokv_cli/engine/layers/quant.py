@@ -41,6 +41,8 @@ GROUP_SIZE = 32
 # 1 thread, ms per step, kernel / dequantize + GEMM): int8 at 12 rows 65 / 72, at 16 86 / 87;
 # int4 at 24 rows 130 / 152, at 32 172 / 169 (its 4-bit dequantization costs more).
 DENSE_MIN_ROWS: dict[str, int] = {"int8": 16, "int4": 32}
+# FixedPointLinear serves steps of fewer rows than this; MKL's float32 GEMM the rest.
+FIXED_MAX_ROWS = 256
 # Elements dequantized at a time on the dense path: 4 MB of float32 stays in cache for the GEMM.
 _DENSE_CHUNK_ELEMENTS = 1 << 20
 # GGML type numbers (gguf.GGMLQuantizationType) decoded here without a float round trip.
@@ -247,6 +249,68 @@ class QuantizedLinear(nn.Module):
             f"mode={self.mode}, bias={self.bias is not None}, float_inputs={self.float_inputs}, "
             f"dense_min_rows={self.dense_min_rows}"
         )
+
+
+class FixedPointLinear(nn.Module):
+    """``y = x W^T (+ b)`` for batches on CPU: ``W`` rounded once to 14-bit integers per output
+    row, each input row to 13-bit integers per 64 values, integer products summed exactly per
+    64 (``LINEAR_I16`` in cpu_kernels.c). Error ~1e-4 of an output row's norm (the int8
+    kernels': ~5e-3); half float32's weight bytes, twice its products per instruction on AVX2.
+
+    ``--quantization auto`` gives one to every projection and the LM head of a GGUF model, for
+    steps of ``AUTO_MAX_ROWS`` to ``max_rows`` rows (batched decode); prefills of more rows stay
+    with MKL's float32 GEMM, which this kernel does not beat there (measured in BENCHMARKS.md).
+    """
+
+    # Rows from which MKL's float32 GEMM is as fast (see scripts/BENCHMARKS.md, change 11).
+    max_rows: int = FIXED_MAX_ROWS
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not cpu_kernels.available():
+            raise QuantizationError("fixed-point layers need nanokv's C kernels")
+        self.out_features, self.in_features = weight.shape
+        packed, scale = cpu_kernels.pack_i16(weight)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self._sync_spec()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        xf = (
+            rows
+            if rows.dtype == torch.float32 and rows.stride(-1) == 1
+            else rows.float().contiguous()
+        )
+        y = cpu_kernels.linear(self.spec, xf)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FixedPointLinear:
+        result = super()._apply(fn, recurse)
+        self._sync_spec()
+        return result
+
+    def _sync_spec(self) -> None:
+        if self.scale.dtype != torch.float32 or self.packed.device.type != "cpu":
+            raise TypeError(
+                "fixed-point layers keep int32-packed weights and float32 scales on the CPU"
+            )
+        self.spec = cpu_kernels.linear_spec(
+            cpu_kernels.LINEAR_I16,
+            self.packed,
+            self.in_features,
+            self.scale,
+            bias=self.bias,
+            out_features=self.out_features,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, max_rows={self.max_rows}"
 
 
 class QuantizedEmbedding(nn.Module):

@@ -209,6 +209,7 @@ class DecoderForCausalLM(nn.Module):
             rope=m.rotary_emb.cos_sin.data_ptr(),
             final_norm=m.norm.weight.data_ptr(),
             layers=layers,
+            cache_half=int(attn0.attn.k_cache.dtype == torch.float16),
         )
         decoder._keep = layers  # ctypes holds only the pointer
         return decoder
