@@ -13,7 +13,12 @@ Why leave PyTorch on the CPU:
   single-token rows in one call (~10 ms less Python per SmolLM2 step).
 * Quantized weights. ``linear`` multiplies GGUF-format int8/int4 weights (Q8_0, Q4_0/Q4_1
   blocks) by inputs rounded to int8 per 32 values, with integer multiply-adds; see
-  ``layers/quant.py``. Float32 weights go through the same entry point for ``decode_step``.
+  ``layers/quant.py``. Float32 weights go through the same entry point for ``decode_step``,
+  and so do the fixed-point copies ``--quantization auto`` uses for batches (``pack_i16``:
+  14-bit weights against inputs rounded to 13 bits per 64 values, 16 products per AVX2
+  instruction; ``quant.FixedPointLinear``).
+* A float16 KV cache (``auto``, CPUs with F16C): the store rounds K/V to float16 and the
+  attention kernel converts them back as it reads, halving a decode step's cache traffic.
 
 The kernels are vectorised with AVX2/FMA/F16C where the CPU has them (plain C elsewhere) and run
 on torch's OpenMP thread pool (the library links the same libgomp). They are compiled with
