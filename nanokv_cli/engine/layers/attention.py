@@ -212,7 +212,6 @@ class Attention(nn.Module):
         # a KV head are folded into SDPA's query-length axis ([n, kv_heads, group, hd] against
         # [n, kv_heads, len, hd]): GQA with no repeated K/V.
         key, value = self._gather(g.slots, workspace)
-        key, value = key.to(q.dtype), value.to(q.dtype)  # a float16 cache under float32
         key, value = key.view(n, max_len, kvh, hd), value.view(n, max_len, kvh, hd)
         query = q[g.start : g.end].view(n, kvh, self.group, hd)
         o = F.scaled_dot_product_attention(
@@ -233,7 +232,8 @@ class Attention(nn.Module):
             key, value = k[c.start : c.end], v[c.start : c.end]
         else:
             key, value = self._gather(c.ctx_slots, workspace)
-            key, value = key.to(q.dtype), value.to(q.dtype)  # a float16 cache under float32
+            # A float16 cache under float32 (the CPU kernels' cache, see ModelRunner).
+            key, value = key.to(q.dtype), value.to(q.dtype)
         if not uses_sdpa_prefill(q.dtype):
             return self._prefill_blockwise(q[c.start : c.end], key, value, c.num_cached)
         query = q[c.start : c.end].transpose(0, 1)  # [heads, n, hd]
