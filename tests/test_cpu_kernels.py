@@ -151,11 +151,16 @@ def test_store_kv_writes_each_row_to_its_slot(cache_dtype):
     assert k_cache.view(-1, 2, 6)[[1, 2, 3, 4, 7]].abs().sum() == 0
 
 
-def test_kernels_refuse_other_cache_dtypes():
+def test_kernels_refuse_other_cache_dtypes(monkeypatch):
     cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
     k = torch.zeros(1, 1, 8)
     with pytest.raises(TypeError, match="bfloat16"):
         cpu_kernels.store_kv(k, k, torch.tensor([0]), cache, cache)
+    # A build without F16C refuses a float16 cache instead of storing nothing into it.
+    monkeypatch.setattr(cpu_kernels, "half_cache_supported", lambda: False)
+    half = torch.zeros(2, 4, 1, 8, dtype=torch.float16)
+    with pytest.raises(TypeError, match="F16C"):
+        cpu_kernels.store_kv(k, k, torch.tensor([0]), half, half)
 
 
 def test_silu_mul_matches_torch():

@@ -145,12 +145,16 @@ def available() -> bool:
     return _library() is not None
 
 
+@cache
 def half_cache_supported() -> bool:
     """Whether the kernels read and write a float16 KV cache here (a CPU with F16C)."""
     return available() and bool(_library().cache_half_supported())
 
 
 def _is_half(cache: torch.Tensor) -> int:
+    # Checked here because a build without F16C would store nothing into a float16 cache.
+    if cache.dtype == torch.float16 and not half_cache_supported():
+        raise TypeError("this build of the CPU kernels has no float16 KV cache (no F16C)")
     if cache.dtype not in (torch.float32, torch.float16):
         raise TypeError(f"the CPU kernels take a float32 or float16 KV cache, not {cache.dtype}")
     return int(cache.dtype == torch.float16)
