@@ -51,8 +51,8 @@ from .models import load_weights
 
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8", "int4")
 # ``auto``: steps of fewer rows than this run on the quantized twins, others on the
-# fixed-point copies or the float weights. SmolLM2's 30 layers, AVX2, 1 thread, ms per step (twin kernel / float32 F.linear):
-# 12 rows 66 / 76, 16 rows 88 / 86, 24 rows 130 / 107.
+# fixed-point copies or the float weights. Twin kernel against float32 F.linear, SmolLM2's 30
+# layers, AVX2, 1 thread, ms per step: 12 rows 66 / 76, 16 rows 88 / 86, 24 rows 130 / 107.
 AUTO_MAX_ROWS = 16
 HEAD_MODE = "int8"
 # GGML types held exactly (gguf.GGMLQuantizationType Q4_0, Q4_1; Q8_0).

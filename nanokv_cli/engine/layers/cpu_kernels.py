@@ -331,7 +331,7 @@ def linear(spec: LinearSpec, x: torch.Tensor, out: torch.Tensor | None = None) -
 
 
 def pack_i16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float32 weight [out, in] as ``LINEAR_I16`` reads it: 12-bit integers per output row in
+    """A float32 weight [out, in] as ``LINEAR_I16`` reads it: 14-bit integers per output row in
     panels of 16 rows (int32 pairs), and float32 row scales (padded to a multiple of 16)."""
     out_features, in_features = weight.shape
     if in_features % I16_BLOCK:

@@ -64,7 +64,27 @@ class _Groups:
     zero: torch.Tensor | None
 
 
-class QuantizedLinear(nn.Module):
+class _KernelLinear(nn.Module):
+    """A linear layer the C kernels run from ``self.spec``, a view of its buffers made by
+    ``_sync_spec`` (raw pointers: rebuilt whenever the buffers may have moved)."""
+
+    spec: cpu_kernels.LinearSpec
+
+    def _sync_spec(self) -> None:
+        raise NotImplementedError
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _KernelLinear:
+        result = super()._apply(fn, recurse)
+        self._sync_spec()
+        return result
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the weight, its scales (and zeros) and the bias."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class QuantizedLinear(_KernelLinear):
     """``y = x W^T (+ b)`` with ``W`` held in int8 or int4 groups; CPU only.
 
     Build with ``from_float`` (quantize a float weight), ``from_gguf`` (take GGUF blocks) or
@@ -216,13 +236,7 @@ class QuantizedLinear(nn.Module):
         rows = cpu_kernels.dequantize_rows(self.spec, flat)
         return rows.view(*ids.shape, self.in_features)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
-        result = super()._apply(fn, recurse)
-        self._sync_spec()
-        return result
-
     def _sync_spec(self) -> None:
-        """The C view of the buffers (raw pointers: rebuilt whenever they may have moved)."""
         # The kernels read these exact formats: a module-wide .to(dtype) must not go unnoticed.
         if (
             self.scale.dtype != torch.float16
@@ -238,11 +252,6 @@ class QuantizedLinear(nn.Module):
             kind, self.qweight, self.in_features, self.scale, self.zero, self.bias
         )
 
-    @property
-    def nbytes(self) -> int:
-        """Resident bytes of the quantized weight, its scales and the bias."""
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -251,10 +260,10 @@ class QuantizedLinear(nn.Module):
         )
 
 
-class FixedPointLinear(nn.Module):
+class FixedPointLinear(_KernelLinear):
     """``y = x W^T (+ b)`` for batches on CPU: ``W`` rounded once to 14-bit integers per output
     row, each input row to 13-bit integers per 64 values, integer products summed exactly per
-    64 (``LINEAR_I16`` in cpu_kernels.c). Error ~1e-4 of an output row's norm (the int8
+    64 (``LINEAR_I16`` in cpu_kernels.c). Error ~2e-4 of an output row's norm (the int8
     kernels': ~5e-3); half float32's weight bytes, twice its products per instruction on AVX2.
 
     ``--quantization auto`` gives one to every projection and the LM head of a GGUF model, for
@@ -286,11 +295,6 @@ class FixedPointLinear(nn.Module):
         y = cpu_kernels.linear(self.spec, xf)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> FixedPointLinear:
-        result = super()._apply(fn, recurse)
-        self._sync_spec()
-        return result
-
     def _sync_spec(self) -> None:
         if self.scale.dtype != torch.float32 or self.packed.device.type != "cpu":
             raise TypeError(
@@ -304,10 +308,6 @@ class FixedPointLinear(nn.Module):
             bias=self.bias,
             out_features=self.out_features,
         )
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, max_rows={self.max_rows}"
