@@ -346,15 +346,18 @@ def simulate_fixed_point(w: torch.Tensor, x: torch.Tensor, bias=None) -> torch.T
     return y if bias is None else y + bias.double()
 
 
+FIXED_POINT_SHAPES = [(1, 192), (3, 192), (5, 192), (6, 192), (7, 192), (17, 192), (64, 192)]
+
+
 @pytest.mark.parametrize("out_features", [1, 16, 37, 960])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 64, 300])
-def test_fixed_point_matches_its_rounding_exactly(out_features, rows):
-    # Tiles of 4 rows x 16 outputs (short last ones); 300 rows = 5 blocks of 64, which the
-    # threads take a block of rows at a time instead of splitting the outputs.
-    w = weight(out_features, 192, seed=out_features)
+@pytest.mark.parametrize("rows,in_features", [*FIXED_POINT_SHAPES, (300, 192), (97, 1536)])
+def test_fixed_point_matches_its_rounding_exactly(out_features, rows, in_features):
+    # Tiles of 6 rows x 16 outputs (short last ones), grouped into work items that fit a
+    # core's L2: 300 rows x 192 inputs make two chunks of rows, 97 x 1536 four.
+    w = weight(out_features, in_features, seed=out_features)
     bias = torch.linspace(-1, 1, out_features)
     layer = quant.FixedPointLinear(w, bias)
-    x = inputs(rows, 192, seed=rows)
+    x = inputs(rows, in_features, seed=rows)
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     expected = simulate_fixed_point(w, x, bias)

@@ -12,11 +12,10 @@ Modes:
 - ``auto`` (the default): the float model as loaded, plus, for a GGUF file, a quantized twin of
   each projection and of the LM head made of the file's own blocks (``attach_file_blocks``),
   which serves steps of fewer than ``AUTO_MAX_ROWS`` rows, and a fixed-point copy
-  (``layers.quant.FixedPointLinear``, 14-bit weights) for batched decode steps up to
-  ``FixedPointLinear.max_rows`` rows; prefills run on the float weights. All three hold the
-  same weights. Where
-  the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file has no blocks
-  (safetensors), it is ``none``.
+  (``layers.quant.FixedPointLinear``, 14-bit weights) for every larger step: batched decode
+  steps and prefills. All three hold the same weights; the float ones serve a layer that has
+  no twins. Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
+  has no blocks (safetensors), it is ``none``.
 - ``int8``: projections, LM head and embedding table in int8 groups of 32 (Q8_0).
 - ``int4``: projections in 4-bit groups of 32 (Q4_1); the LM head and embedding table in int8
   (a 4-bit head moves next-token distributions ~40x more than an int8 one, measured on the

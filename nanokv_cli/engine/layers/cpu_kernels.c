@@ -533,12 +533,18 @@ static float row_q8_float(const Linear *L, int64_t o, const float *x) {
    64 * 8191 * 4095 < 2^31 (the bit budget; the weights get the extra bit because one scale
    covers a whole row).
    Weight layout, panels of 16 output rows: [ceil(out / 16)][in / 2][16] int32, each int32 the
-   pair (w[o][2t], w[o][2t + 1]) as int16, so one vector holds 8 outputs' next two weights. */
+   pair (w[o][2t], w[o][2t + 1]) as int16, so one vector holds 8 outputs' next two weights.
+   A tile is 6 input rows against one panel: 12 accumulators, 2 weight vectors, a broadcast and
+   a product fill the 16 vector registers exactly; written in assembly because gcc spills that
+   many named accumulators. A vpmaddwd and its vpaddd run about 1.5 times the products per cycle
+   of float32 FMAs on Zen 3, so the tile beats MKL's float32 GEMM at every batch size once the
+   weights and inputs are blocked for the caches (linear_i16). */
 #define I16_BLOCK 64
 #define I16_WMAX 8191.0f
 #define I16_XMAX 4095.0f
-#define I16_ROWS 4    /* input rows per tile: 8 accumulators + 2 weights + 4 broadcasts */
-#define I16_ROW_BLOCK 64
+#define I16_ROWS 6
+#define I16_X_CHUNK (96 * 1024) /* bytes of rounded input rows per work item (with the weights, */
+#define I16_W_CHUNK (144 * 1024) /* bytes of packed weights: both stay in a 512 KB L2) */
 
 int64_t i16_packed_ints(int64_t out, int64_t in) { return (out + 15) / 16 * 16 * (in / 2); }
 
@@ -562,93 +568,145 @@ int pack_i16(const float *w, int64_t out, int64_t in, int32_t *packed, float *sc
     return 0;
 }
 
+/* One 64-block of an input row: q = round(x / d), d = max|x| / 4095. */
+static void quantize_block_i16(const float *x, int16_t *q, float *d) {
+#ifdef __AVX2__
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[I16_BLOCK / 8], amax8 = _mm256_setzero_ps();
+    for (int j = 0; j < I16_BLOCK / 8; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? I16_XMAX / amax : 0.0f);
+    for (int j = 0; j < I16_BLOCK / 16; j++) {
+        /* packs interleaves 128-bit lanes; the permute puts the 16 values back in order */
+        const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * j], inv));
+        const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * j + 1], inv));
+        _mm256_storeu_si256((__m256i *)(q + 16 * j),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < I16_BLOCK; j++) amax = fmaxf(amax, fabsf(x[j]));
+    const float inv = amax > 0.0f ? I16_XMAX / amax : 0.0f;
+    for (int j = 0; j < I16_BLOCK; j++) q[j] = (int16_t)lrintf(x[j] * inv);
+#endif
+    *d = amax / I16_XMAX;
+}
+
 /* x [n, in] -> int16 q [n_padded, in] and scales [n_padded, in / 64]; padding rows are zero. */
 static void quantize_i16(const float *x, int64_t x_stride, int64_t n, int64_t n_padded, int64_t in,
-                         int16_t *q, float *d) {
+                         int16_t *q, float *d, int threads) {
     const int64_t blocks = in / I16_BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
     for (int64_t i = 0; i < n_padded; i++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            int16_t *qb = q + i * in + b * I16_BLOCK;
-            if (i >= n) {
-                memset(qb, 0, I16_BLOCK * sizeof(int16_t));
-                d[i * blocks + b] = 0.0f;
-                continue;
-            }
-            const float *xb = x + i * x_stride + b * I16_BLOCK;
-            float amax = 0.0f;
-            for (int j = 0; j < I16_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-            const float inv = amax > 0.0f ? I16_XMAX / amax : 0.0f;
-            d[i * blocks + b] = amax / I16_XMAX;
-            for (int j = 0; j < I16_BLOCK; j++) qb[j] = (int16_t)lrintf(xb[j] * inv);
+        if (i >= n) {
+            memset(q + i * in, 0, sizeof(int16_t) * (size_t)in);
+            memset(d + i * blocks, 0, sizeof(float) * (size_t)blocks);
+            continue;
         }
+        for (int64_t b = 0; b < blocks; b++)
+            quantize_block_i16(x + i * x_stride + b * I16_BLOCK, q + i * in + b * I16_BLOCK, d + i * blocks + b);
     }
 }
 
-/* sums[I16_ROWS][16] = the tile's dot products, each 64-block's integer sum times its input
-   scale (the weight scale is applied by the caller). */
-static void tile_i16(const int32_t *x, int64_t pairs, const float *d, const int32_t *panel,
-                     float *sums) {
-    const int64_t blocks = pairs * 2 / I16_BLOCK;
-    for (int j = 0; j < I16_ROWS * 16; j++) sums[j] = 0.0f;
-#ifdef __AVX2__
-/* Named accumulators, not an array: with an array gcc spills them to the stack. */
-#define I16_ROW_STEP(r)                                                                 \
-    {                                                                                   \
-        const __m256i xr = _mm256_set1_epi32(xt[(r) * pairs + t]);                      \
-        c##r##0 = _mm256_add_epi32(c##r##0, _mm256_madd_epi16(xr, w0));                 \
-        c##r##1 = _mm256_add_epi32(c##r##1, _mm256_madd_epi16(xr, w1));                 \
-    }
-#define I16_ROW_FLUSH(r)                                                                \
-    {                                                                                   \
-        const __m256 dr = _mm256_set1_ps(d[(r) * blocks + b]);                          \
-        float *sr = sums + (r) * 16;                                                    \
-        _mm256_storeu_ps(sr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##0), dr, _mm256_loadu_ps(sr))); \
-        _mm256_storeu_ps(sr + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##r##1), dr, _mm256_loadu_ps(sr + 8))); \
-    }
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00,
-                c21 = c00, c30 = c00, c31 = c00;
-        const int32_t *wt = panel + b * (I16_BLOCK / 2) * 16, *xt = x + b * (I16_BLOCK / 2);
-        for (int t = 0; t < I16_BLOCK / 2; t++) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wt + t * 16));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wt + t * 16 + 8));
-            I16_ROW_STEP(0) I16_ROW_STEP(1) I16_ROW_STEP(2) I16_ROW_STEP(3)
-        }
-        I16_ROW_FLUSH(0) I16_ROW_FLUSH(1) I16_ROW_FLUSH(2) I16_ROW_FLUSH(3)
-    }
+/* sums[6][16] += the dot products of 6 rounded input rows (row r at x + r * x_stride int16,
+   scales at d + r * d_stride) with one weight panel, each 64-block's integer sum times its
+   input scale (the weight scale is applied by the caller). */
+static void tile_i16(const int16_t *x, int64_t x_stride, const float *d, int64_t d_stride,
+                     const int32_t *panel, int64_t blocks, float *sums) {
+#if defined(__AVX2__) && defined(__x86_64__)
+    const char *x0 = (const char *)x, *x3 = x0 + 3 * 2 * x_stride;
+    const char *d0 = (const char *)d, *d3 = d0 + 3 * 4 * d_stride;
+    const int64_t xs = 2 * x_stride, ds = 4 * d_stride;
+    int64_t steps;
+/* row r's next pair times both weight vectors, into accumulators a and b */
+#define I16_ROW(xaddr, a, b)                                                    \
+    "vpbroadcastd " xaddr ", %%ymm14\n\t"                                      \
+    "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"                                   \
+    "vpaddd %%ymm15, %%ymm" #a ", %%ymm" #a "\n\t"                             \
+    "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t"                                   \
+    "vpaddd %%ymm15, %%ymm" #b ", %%ymm" #b "\n\t"
+#define I16_PAIR(xo, wo)                                                        \
+    "vmovdqu " #wo "(%[w]), %%ymm12\n\t"                                       \
+    "vmovdqu " #wo "+32(%[w]), %%ymm13\n\t"                                    \
+    I16_ROW(#xo "(%[x0])", 0, 1) I16_ROW(#xo "(%[x0],%[xs],1)", 2, 3)          \
+    I16_ROW(#xo "(%[x0],%[xs],2)", 4, 5) I16_ROW(#xo "(%[x3])", 6, 7)          \
+    I16_ROW(#xo "(%[x3],%[xs],1)", 8, 9) I16_ROW(#xo "(%[x3],%[xs],2)", 10, 11)
+/* sums[r] += float(accumulators a, b) * d[r] */
+#define I16_FLUSH(daddr, a, b, so)                                              \
+    "vbroadcastss " daddr ", %%ymm14\n\t"                                      \
+    "vcvtdq2ps %%ymm" #a ", %%ymm15\n\t"                                       \
+    "vfmadd213ps " #so "(%[s]), %%ymm14, %%ymm15\n\t"                          \
+    "vmovups %%ymm15, " #so "(%[s])\n\t"                                       \
+    "vcvtdq2ps %%ymm" #b ", %%ymm15\n\t"                                       \
+    "vfmadd213ps " #so "+32(%[s]), %%ymm14, %%ymm15\n\t"                       \
+    "vmovups %%ymm15, " #so "+32(%[s])\n\t"
+    __asm__ volatile(
+        "1:\n\t"
+        "vpxor %%xmm0, %%xmm0, %%xmm0\n\tvpxor %%xmm1, %%xmm1, %%xmm1\n\t"
+        "vpxor %%xmm2, %%xmm2, %%xmm2\n\tvpxor %%xmm3, %%xmm3, %%xmm3\n\t"
+        "vpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t"
+        "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\t"
+        "vpxor %%xmm8, %%xmm8, %%xmm8\n\tvpxor %%xmm9, %%xmm9, %%xmm9\n\t"
+        "vpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
+        "movq $16, %[steps]\n\t" /* 32 pairs, two per step */
+        "2:\n\t"
+        I16_PAIR(0, 0) I16_PAIR(4, 64)
+        "addq $128, %[w]\n\t"
+        "addq $8, %[x0]\n\t"
+        "addq $8, %[x3]\n\t"
+        "decq %[steps]\n\t"
+        "jnz 2b\n\t"
+        I16_FLUSH("(%[d0])", 0, 1, 0) I16_FLUSH("(%[d0],%[ds],1)", 2, 3, 64)
+        I16_FLUSH("(%[d0],%[ds],2)", 4, 5, 128) I16_FLUSH("(%[d3])", 6, 7, 192)
+        I16_FLUSH("(%[d3],%[ds],1)", 8, 9, 256) I16_FLUSH("(%[d3],%[ds],2)", 10, 11, 320)
+        "addq $4, %[d0]\n\t"
+        "addq $4, %[d3]\n\t"
+        "decq %[blocks]\n\t"
+        "jnz 1b\n\t"
+        : [w] "+r"(panel), [x0] "+r"(x0), [x3] "+r"(x3), [d0] "+r"(d0), [d3] "+r"(d3),
+          [blocks] "+r"(blocks), [steps] "=&r"(steps)
+        : [xs] "r"(xs), [ds] "r"(ds), [s] "r"(sums)
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+          "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+#undef I16_ROW
+#undef I16_PAIR
+#undef I16_FLUSH
 #else
     for (int64_t b = 0; b < blocks; b++)
         for (int r = 0; r < I16_ROWS; r++)
             for (int c = 0; c < 16; c++) {
                 int32_t acc = 0;
-                for (int64_t t = b * (I16_BLOCK / 2); t < (b + 1) * (I16_BLOCK / 2); t++) {
-                    const int16_t *xp = (const int16_t *)(x + r * pairs + t);
-                    const int16_t *wp = (const int16_t *)(panel + t * 16 + c);
-                    acc += (int32_t)xp[0] * wp[0] + (int32_t)xp[1] * wp[1];
+                for (int64_t j = b * I16_BLOCK; j < (b + 1) * I16_BLOCK; j += 2) {
+                    const int16_t *wp = (const int16_t *)(panel + (j / 2) * 16 + c);
+                    acc += (int32_t)x[r * x_stride + j] * wp[0] + (int32_t)x[r * x_stride + j + 1] * wp[1];
                 }
-                sums[r * 16 + c] += (float)acc * d[r * blocks + b];
+                sums[r * 16 + c] += (float)acc * d[r * d_stride + b];
             }
 #endif
 }
 
-static void panel_i16(const Linear *L, int64_t p, int64_t i0, int64_t i1, const int32_t *qx,
-                      const float *d, float *y, int64_t y_stride) {
-    const int64_t pairs = L->in / 2, blocks = L->in / I16_BLOCK;
-    const int64_t o = p * 16, width = L->out - o < 16 ? L->out - o : 16;
+/* y rows [6 * t, 6 * t + 6) x panel p: one tile, then the weight scale and bias. */
+static void tile_out_i16(const Linear *L, int64_t p, int64_t t, const int16_t *q, const float *d,
+                         int64_t n, float *y, int64_t y_stride) {
+    const int64_t in = L->in, blocks = in / I16_BLOCK, o = p * 16, i0 = t * I16_ROWS;
+    const int64_t width = L->out - o < 16 ? L->out - o : 16, rows = n - i0 < I16_ROWS ? n - i0 : I16_ROWS;
+    float sums[I16_ROWS * 16] __attribute__((aligned(32))) = {0};
+    tile_i16(q + i0 * in, in, d + i0 * blocks, blocks, (const int32_t *)L->weight + p * (in / 2) * 16,
+             blocks, sums);
     const float *scale = (const float *)L->scale + o;
-    for (int64_t i = i0; i < i1; i += I16_ROWS) {
-        float sums[I16_ROWS * 16];
-        tile_i16(qx + i * pairs, pairs, d + i * blocks, (const int32_t *)L->weight + p * pairs * 16, sums);
-        for (int64_t r = 0; r < I16_ROWS && i + r < i1; r++)
-            for (int64_t c = 0; c < width; c++)
-                y[(i + r) * y_stride + o + c] =
-                    sums[r * 16 + c] * scale[c] + (L->bias != NULL ? L->bias[o + c] : 0.0f);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < width; c++)
+            y[(i0 + r) * y_stride + o + c] = sums[r * 16 + c] * scale[c] + (L->bias != NULL ? L->bias[o + c] : 0.0f);
 }
 
 static int linear_i16(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
                       int64_t y_stride, int threads) {
-    const int64_t in = L->in, padded = (n + I16_ROWS - 1) / I16_ROWS * I16_ROWS;
+    const int64_t in = L->in, tiles = (n + I16_ROWS - 1) / I16_ROWS, padded = tiles * I16_ROWS;
     int16_t *q = malloc(sizeof(int16_t) * (size_t)(padded * in));
     float *d = malloc(sizeof(float) * (size_t)(padded * (in / I16_BLOCK)));
     if (q == NULL || d == NULL) {
@@ -656,28 +714,25 @@ static int linear_i16(const Linear *L, const float *x, int64_t x_stride, int64_t
         free(d);
         return 1;
     }
-    quantize_i16(x, x_stride, n, padded, in, q, d);
-    const int64_t panels = (L->out + 15) / 16, row_blocks = (n + I16_ROW_BLOCK - 1) / I16_ROW_BLOCK;
-    /* Few rows: the threads split the panels. Many: each thread takes whole blocks of rows
-       (kept in its L2) and streams every panel past them. */
-    const int by_rows = row_blocks >= 4;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && n * L->out >= 16384)
-    {
-#ifdef _OPENMP
-        const int id = omp_get_thread_num(), team = omp_get_num_threads();
-#else
-        const int id = 0, team = 1;
-#endif
-        for (int64_t rb = 0; rb < row_blocks; rb++) {
-            const int64_t i0 = rb * I16_ROW_BLOCK, i1 = i0 + I16_ROW_BLOCK < n ? i0 + I16_ROW_BLOCK : n;
-            if (by_rows) {
-                if (rb % team == id)
-                    for (int64_t p = 0; p < panels; p++) panel_i16(L, p, i0, i1, (const int32_t *)q, d, y, y_stride);
-            } else {
-                #pragma omp for schedule(static) nowait
-                for (int64_t p = 0; p < panels; p++) panel_i16(L, p, i0, i1, (const int32_t *)q, d, y, y_stride);
-            }
-        }
+    quantize_i16(x, x_stride, n, padded, in, q, d, threads);
+    /* Work items: a chunk of row tiles against a chunk of panels, small enough that both stay in
+       one core's L2 while the tiles run (the row tile in L1, the panels streaming from L2), and
+       at least four per thread so that the threads finish together. */
+    const int64_t panels = (L->out + 15) / 16;
+    int64_t tile_chunk = I16_X_CHUNK / (I16_ROWS * 2 * in), panel_chunk = I16_W_CHUNK / (16 * 2 * in);
+    tile_chunk = tile_chunk < 1 ? 1 : tile_chunk;
+    const int64_t row_chunks = (tiles + tile_chunk - 1) / tile_chunk;
+    const int64_t balanced = row_chunks * panels / (4 * (int64_t)threads);
+    panel_chunk = panel_chunk > balanced ? balanced : panel_chunk;
+    panel_chunk = panel_chunk < 1 ? 1 : panel_chunk;
+    const int64_t items = row_chunks * ((panels + panel_chunk - 1) / panel_chunk);
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && items > 1 && n * L->out >= 16384)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t p0 = item / row_chunks * panel_chunk, t0 = item % row_chunks * tile_chunk;
+        const int64_t p1 = p0 + panel_chunk < panels ? p0 + panel_chunk : panels;
+        const int64_t t1 = t0 + tile_chunk < tiles ? t0 + tile_chunk : tiles;
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t p = p0; p < p1; p++) tile_out_i16(L, p, t, q, d, n, y, y_stride);
     }
     free(q);
     free(d);

@@ -53,13 +53,11 @@ def linear(
 
 def auto_twin(module: nn.Module, rows: int) -> nn.Module | None:
     """The ``--quantization auto`` copy of a layer's weights that serves ``rows`` input rows:
-    the model file's blocks for few rows, the fixed-point copy for batches; None: the float
-    weights (prefills, and every step without ``auto``)."""
+    the model file's blocks for few rows, the fixed-point copy for more; None: the float
+    weights (every step without ``auto``)."""
     if module.quantized is not None and rows < module.quantized.dense_min_rows:
         return module.quantized
-    if module.fixed is not None and rows < module.fixed.max_rows:
-        return module.fixed
-    return None
+    return module.fixed
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:

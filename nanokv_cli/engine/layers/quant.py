@@ -41,8 +41,6 @@ GROUP_SIZE = 32
 # 1 thread, ms per step, kernel / dequantize + GEMM): int8 at 12 rows 65 / 72, at 16 86 / 87;
 # int4 at 24 rows 130 / 152, at 32 172 / 169 (its 4-bit dequantization costs more).
 DENSE_MIN_ROWS: dict[str, int] = {"int8": 16, "int4": 32}
-# FixedPointLinear serves steps of fewer rows than this; MKL's float32 GEMM the rest.
-FIXED_MAX_ROWS = 256
 # Elements dequantized at a time on the dense path: 4 MB of float32 stays in cache for the GEMM.
 _DENSE_CHUNK_ELEMENTS = 1 << 20
 # GGML type numbers (gguf.GGMLQuantizationType) decoded here without a float round trip.
@@ -264,15 +262,12 @@ class FixedPointLinear(_KernelLinear):
     """``y = x W^T (+ b)`` for batches on CPU: ``W`` rounded once to 14-bit integers per output
     row, each input row to 13-bit integers per 64 values, integer products summed exactly per
     64 (``LINEAR_I16`` in cpu_kernels.c). Error ~2e-4 of an output row's norm (the int8
-    kernels': ~5e-3); half float32's weight bytes, twice its products per instruction on AVX2.
+    kernels': ~5e-3); half float32's weight bytes, and 1.4-2.5x MKL's float32 GEMM at 16 to
+    4096 rows on AVX2 (scripts/BENCHMARKS.md, change 15).
 
     ``--quantization auto`` gives one to every projection and the LM head of a GGUF model, for
-    steps of ``AUTO_MAX_ROWS`` to ``max_rows`` rows (batched decode); prefills of more rows stay
-    with MKL's float32 GEMM, which this kernel does not beat there (measured in BENCHMARKS.md).
+    every step of ``AUTO_MAX_ROWS`` rows or more: batched decode steps and prefills.
     """
-
-    # Rows from which MKL's float32 GEMM is as fast (see scripts/BENCHMARKS.md, change 11).
-    max_rows: int = FIXED_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -310,7 +305,7 @@ class FixedPointLinear(_KernelLinear):
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, max_rows={self.max_rows}"
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class QuantizedEmbedding(nn.Module):
