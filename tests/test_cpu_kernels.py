@@ -68,12 +68,17 @@ CACHE_DTYPES = [torch.float32] + ([torch.float16] if cpu_has_f16c() else [])
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("many", [False, True])
 def test_paged_decode_matches_sdpa_and_reads_only_the_context(
-    heads, kv_heads, dim, block_size, threads, cache_dtype
+    heads, kv_heads, dim, block_size, threads, cache_dtype, many
 ):
+    # A few sequences: a work item per KV head; many (4 per thread or more): per sequence,
+    # read in chunks of 16 or 32 rows that stop at block ends.
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(heads * dim + block_size)
     lens = torch.tensor([1, 3, 17, 40, 300][: 5 if block_size > 1 else 4])
+    if many:
+        lens = torch.cat([lens, torch.tensor([33, 16, 2, 65])])
     width = -(-int(lens.max()) // block_size)
     num_blocks = width * len(lens) + 3
     k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"))
