@@ -194,7 +194,7 @@ def main() -> None:
         lines.append(
             f"nanokv {mode:5s}: {r['output_tokens']:6d} tok in {r['seconds']:7.2f} s = "
             f"{r['tok_s']:8.1f} tok/s ({r['steps']} steps, {r['preemptions']} preemptions; "
-            f"runs as {r['quantization']}, {r['dtype']} weights, {r['kv_cache_dtype']} K/V)"
+            f"runs as {r['quantization']} on a {r['dtype']} model, {r['kv_cache_dtype']} K/V)"
         )
     if hf is not None:
         lines.append(

@@ -142,26 +142,34 @@ def auto_llm():
     return LLM(kv_cache_memory=64 << 20)  # the default: quantization="auto"
 
 
-def test_auto_is_the_default_and_keeps_the_float_weights_too(auto_llm, int4_llm):
+def test_auto_is_the_default_and_trades_the_float_weights_for_two_copies(auto_llm, int4_llm):
     assert auto_llm.quantization == "auto"
     runner = auto_llm.model_runner
     assert runner.cpu_decoder is not None  # decode steps of few rows: one C call
     layers = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
     assert layers and all(m.quantized.mode == "int4" for m in layers)  # the Q4_1 blocks
-    head = runner.model.lm_head.quantized
-    assert head.mode == "int8" and head.float_inputs  # the Q8_0 table, inputs unrounded
-    # The twins are the int4 mode's layers exactly, next to the float weights.
+    head = runner.model.lm_head
+    assert head.quantized.mode == "int8" and head.quantized.float_inputs  # Q8_0, unrounded
+    # The twins are the int4 mode's layers exactly.
     qkv = runner.model.model.layers[3].self_attn.qkv_proj
     int4_qkv = int4_llm.model_runner.model.model.layers[3].self_attn.qkv_proj
     assert torch.equal(qkv.quantized.dequantize(), int4_qkv.dequantize())
-    assert torch.equal(qkv.weight, int4_qkv.dequantize())
-    # And a fixed-point copy of the same float weights for batches, two bytes per weight.
-    fixed = [m.fixed for m in layers + [runner.model.lm_head]]
+    # And a fixed-point copy of the same weights (the blocks dequantized) for every larger
+    # step, two bytes per weight; it computes what the blocks' float values would, to ~1e-4.
+    x = torch.randn(64, qkv.fixed.in_features, generator=torch.Generator().manual_seed(0))
+    exact = x @ int4_qkv.dequantize().T
+    assert ((qkv.fixed(x) - exact).norm() / exact.norm()).item() < 5e-4
+    fixed = [m.fixed for m in layers + [head]]
     assert all(isinstance(f, FixedPointLinear) for f in fixed)
-    float_bytes = sum(p.numel() * 4 for p in runner.model.parameters())
     fixed_bytes = sum(f.nbytes for f in fixed)
-    linear_weights = sum(m.weight.numel() for m in layers) + runner.model.lm_head.weight.numel()
+    linear_weights = sum(f.in_features * f.out_features for f in fixed)
     assert 2 * linear_weights < fixed_bytes < 2.01 * linear_weights
+    # With both copies the projections' float weights are gone; the tied head's table stays,
+    # as the token embedding.
+    assert all(m.weight.numel() == 0 for m in layers)
+    assert head.weight.data_ptr() == runner.model.model.embed_tokens.weight.data_ptr()
+    float_bytes = sum(p.numel() * 4 for p in runner.model.parameters())
+    assert float_bytes < 0.25 * linear_weights * 4
     assert 0 < resident_weight_bytes(runner.model) - float_bytes - fixed_bytes < 100e6
     # K/V in float16, as llama.cpp keeps them, where the kernels convert in hardware (F16C).
     half = cpu_kernels.half_cache_supported()

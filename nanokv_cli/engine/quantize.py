@@ -13,8 +13,8 @@ Modes:
   each projection and of the LM head made of the file's own blocks (``attach_file_blocks``),
   which serves steps of fewer than ``AUTO_MAX_ROWS`` rows, and a fixed-point copy
   (``layers.quant.FixedPointLinear``, 14-bit weights) for every larger step: batched decode
-  steps and prefills. All three hold the same weights; the float ones serve a layer that has
-  no twins. Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
+  steps and prefills. Both hold the float weights' values, which are freed once they exist
+  (a layer without them keeps its float path). Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
   has no blocks (safetensors), it is ``none``.
 - ``int8``: projections, LM head and embedding table in int8 groups of 32 (Q8_0).
 - ``int4``: projections in 4-bit groups of 32 (Q4_1); the LM head and embedding table in int8
@@ -119,19 +119,22 @@ def file_blocks(gguf_path: str) -> dict[str, QuantizedTensor]:
 
 def attach_file_blocks(model: nn.Module, blocks: Mapping[str, QuantizedTensor]) -> int:
     """``--quantization auto``: give the loaded float model's projections and LM head a
-    quantized twin made of the file's own blocks, for steps of few rows; returns how many.
+    quantized twin made of the file's own blocks, for steps of few rows, and a fixed-point copy
+    for the rest; returns how many layers got them.
 
-    The float weights are the same blocks dequantized, so both paths compute with the same
-    weights; the twin only rounds its inputs to int8 per 32 values (as llama.cpp does). A
-    projection whose parts are not all exact blocks of one format keeps only its float path.
+    The float weights are the same blocks dequantized, so every path computes with the same
+    weights; the twin only rounds its inputs to int8 per 32 values (as llama.cpp does). With
+    both copies a layer never reads its float weight again, which is freed (a tied LM head's
+    stays: it is the token embedding). A projection whose parts are not all exact blocks of
+    one format keeps only its float path.
     """
     packed = _packed_parts(model)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     attached = 0
     for path, module in model.named_modules():
         if isinstance(module, LinearBase):
             names = [f"{n}.weight" for n in _hf_names(path, packed)]
         elif isinstance(module, ParallelLMHead):
-            tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
             names = ["model.embed_tokens.weight" if tied else f"{path}.weight"]
         else:
             continue
@@ -146,7 +149,12 @@ def attach_file_blocks(model: nn.Module, blocks: Mapping[str, QuantizedTensor]) 
         module.quantized = twin
         if module.weight.shape[1] % cpu_kernels.I16_BLOCK == 0:
             module.fixed = FixedPointLinear(module.weight, bias)
+            if not (tied and isinstance(module, ParallelLMHead)):
+                # Empty, not deleted: its shape[1] still says the layer's input size.
+                empty = module.weight.new_empty(0, module.weight.shape[1])
+                module.weight = nn.Parameter(empty, requires_grad=False)
         attached += 1
+    _release_freed_memory()
     return attached
 
 
