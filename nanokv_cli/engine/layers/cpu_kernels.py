@@ -5,8 +5,8 @@ Why leave PyTorch on the CPU:
 
 * Paged decode attention. The torch path gathers every decoding sequence's K/V out of the paged
   cache into a contiguous buffer, then runs SDPA, whose CPU kernel is slow for 1-token queries.
-  The kernel reads K and V where they lie, through the block table, one KV head's query group
-  at a time, accumulating in float32.
+  The kernel reads K and V where they lie, through the block table, each cache row once for all
+  the query heads that share it (GQA), a chunk of rows ahead, accumulating in float32.
 * Per-op overhead. A single sequence's decode step is ~30 layers of tiny tensors, where each
   torch op costs microseconds of dispatch. Fused here: residual add + RMSNorm, rotary in place,
   the K/V store, silu(gate) * up; and ``decode_step`` runs a whole decoder for a step of a few
@@ -14,9 +14,9 @@ Why leave PyTorch on the CPU:
 * Quantized weights. ``linear`` multiplies GGUF-format int8/int4 weights (Q8_0, Q4_0/Q4_1
   blocks) by inputs rounded to int8 per 32 values, with integer multiply-adds; see
   ``layers/quant.py``. Float32 weights go through the same entry point for ``decode_step``,
-  and so do the fixed-point copies ``--quantization auto`` uses for batches (``pack_i16``:
-  14-bit weights against inputs rounded to 13 bits per 64 values, 16 products per AVX2
-  instruction; ``quant.FixedPointLinear``).
+  and so do the fixed-point copies ``--quantization auto`` uses for batches and prefills
+  (``pack_i16``: 14-bit weights against inputs rounded to 13 bits per 64 values, 16 products
+  per AVX2 instruction, an assembly tile blocked for L1/L2; ``quant.FixedPointLinear``).
 * A float16 KV cache (``auto``, CPUs with F16C): the store rounds K/V to float16 and the
   attention kernel converts them back as it reads, halving a decode step's cache traffic.
 
