@@ -83,6 +83,20 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
+def parse_modes(p: argparse.ArgumentParser, text: str, device: str) -> list[str]:
+    """``--modes``: comma-separated nanokv quantization modes, each once; only ``none`` off
+    the CPU (the quantized kernels are CPU-only)."""
+    modes = [m.strip() for m in text.split(",")]
+    if not all(modes):
+        p.error(f"--modes: comma-separated quantization modes, got {text!r}")
+    repeated = sorted({m for m in modes if modes.count(m) > 1})
+    if repeated:
+        p.error(f"--modes lists {', '.join(repeated)} more than once")
+    if torch.device(device).type != "cpu" and modes != ["none"]:
+        p.error(f"quantized modes run on the CPU only: use --modes none with --device {device}")
+    return modes
+
+
 def set_threads(threads: int | None) -> int:
     if threads is not None:
         torch.set_num_threads(threads)

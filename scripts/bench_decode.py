@@ -54,6 +54,7 @@ from bench_common import (  # noqa: E402
     linear_ceiling_tok_s,
     load_transformers,
     model_folder,
+    parse_modes,
     resolve_dtype_name,
     set_threads,
     sync,
@@ -112,15 +113,7 @@ def parse_args() -> argparse.Namespace:
     if args.max_tokens < 2:
         p.error("--max-tokens must be >= 2 (decode speed counts the tokens after the first)")
     on_cpu = torch.device(args.device).type == "cpu"
-    if args.modes is None:
-        args.modes = "auto,none,int4" if on_cpu else "none"
-    args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
-    if not args.modes:
-        p.error("--modes needs at least one mode")
-    if not on_cpu and args.modes != ["none"]:
-        p.error(
-            f"quantized modes run on the CPU only: use --modes none with --device {args.device}"
-        )
+    args.modes = parse_modes(p, args.modes or ("auto,none,int4" if on_cpu else "none"), args.device)
     try:
         args.batch = [int(b) for b in args.batch.split(",") if b.strip()]
     except ValueError:

@@ -36,6 +36,7 @@ from bench_common import (  # noqa: E402
     hf_generate,
     load_transformers,
     model_folder,
+    parse_modes,
     resolve_dtype_name,
     set_threads,
     timed,
@@ -88,9 +89,7 @@ def parse_args() -> argparse.Namespace:
             setattr(args, name, value)
     if args.hf_seqs is None:
         args.hf_seqs = 64 if cuda and not args.quick else args.num_seqs
-    args.modes = [m.strip() for m in (args.modes or ("none" if cuda else "auto,none")).split(",")]
-    if not all(args.modes) or (cuda and args.modes != ["none"]):
-        p.error("--modes: comma-separated quantization modes; only none on CUDA")
+    args.modes = parse_modes(p, args.modes or ("none" if cuda else "auto,none"), args.device)
     return args
 
 
