@@ -645,7 +645,7 @@ static void quantize_i16(const float *x, int64_t x_stride, int64_t n, int64_t n_
    input scale (the weight scale is applied by the caller). */
 static void tile_i16(const int16_t *x, int64_t x_stride, const float *d, int64_t d_stride,
                      const int32_t *panel, int64_t blocks, float *sums) {
-#if defined(__AVX2__) && defined(__x86_64__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__x86_64__)
     const char *x0 = (const char *)x, *x3 = x0 + 3 * 2 * x_stride;
     const char *d0 = (const char *)d, *d3 = d0 + 3 * 4 * d_stride;
     const int64_t xs = 2 * x_stride, ds = 4 * d_stride;
