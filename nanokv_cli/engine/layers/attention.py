@@ -14,11 +14,12 @@ The batch is flat (``[num_tokens, heads, head_dim]``): the model runner puts the
 queries (decodes, and 1-token prefill chunks) first - sorted by context length when they attend
 in length buckets - then the multi-token prefill chunks. Two back ends:
 
-* torch (any device, the CPU path): in float32 on CPU, decodes attend through a small C kernel
-  that reads K/V in place through the block tables (``cpu_kernels.py``); otherwise in a few
-  length-bucketed groups, each one gather of the group's cached K/V plus one SDPA call.
-  Prefills attend per sequence, straight from the fresh K/V when nothing is cached, otherwise
-  from K/V gathered from the cache, with the causal diagonal offset by the cached prefix
+* torch (any device, the CPU path): in float32 on CPU, every query row - decodes and each
+  row of a prefill chunk alike - attends through a small C kernel that reads K/V in place
+  through the block tables (``cpu_kernels.py``). Otherwise decodes attend in a few
+  length-bucketed groups, each one gather of the group's cached K/V plus one SDPA call, and
+  prefills per sequence, straight from the fresh K/V when nothing is cached, otherwise from
+  K/V gathered from the cache, with the causal diagonal offset by the cached prefix
   (blockwise matmuls in float32, SDPA otherwise).
 * flash-attn (CUDA, block size a multiple of 256): paged kernels read the cache in place.
 """
@@ -71,7 +72,9 @@ class DecodeGroup:
 
 @dataclass
 class PagedDecode:
-    """Single-token queries ``[start, end)``, attended by the CPU kernel straight from the cache."""
+    """Query rows ``[start, end)``, each attending to the first ``context_lens`` positions of its
+    sequence, by the CPU kernel straight from the cache (every row of a CPU step: decodes, and
+    each row of a prefill chunk, whose context ends at its own position)."""
 
     start: int
     end: int
