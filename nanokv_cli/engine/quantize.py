@@ -9,12 +9,12 @@ with were never written, so they are freed without having taken memory.
 
 Modes:
 
-- ``auto`` (the default): the float model as loaded, plus, for a GGUF file, a quantized twin of
-  each projection and of the LM head made of the file's own blocks (``attach_file_blocks``),
-  which serves steps of fewer than ``AUTO_MAX_ROWS`` rows, and a fixed-point copy
-  (``layers.quant.FixedPointLinear``, 14-bit weights) for every larger step: batched decode
-  steps and prefills. Both hold the float weights' values, which are freed once they exist
-  (a layer without them keeps its float path). Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
+- ``auto`` (the default): for a GGUF file, each projection and the LM head get a quantized
+  twin made of the file's own blocks (``attach_file_blocks``), which serves steps of fewer
+  than ``AUTO_MAX_ROWS`` rows, and a fixed-point copy (``layers.quant.FixedPointLinear``,
+  14-bit weights) for every larger step: batched decode steps and prefills. Both are made
+  from the loaded float weights, which are then freed (a layer without both keeps its float
+  path). Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
   has no blocks (safetensors), it is ``none``.
 - ``int8``: projections, LM head and embedding table in int8 groups of 32 (Q8_0).
 - ``int4``: projections in 4-bit groups of 32 (Q4_1); the LM head and embedding table in int8

@@ -244,9 +244,10 @@ static inline void prefetch_rows(const void *cache, int64_t first, int64_t m, in
 #endif
 }
 
-/* One query token per sequence: q [n, heads, dim] (token stride q_stride), caches
+/* One query token per row: q [n, heads, dim] (token stride q_stride), caches
    [num_blocks, block_size, kv_heads, dim], block_tables [n, width], out [n, heads, dim]
-   (token stride out_stride). Sequence i attends to its first context_lens[i] positions.
+   (token stride out_stride). Row i attends to the first context_lens[i] positions of its
+   block table: a decode, or one position of a prefill chunk whose K/V are already stored.
    half: the caches hold float16 (F16C builds only). */
 int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
                      const void *v_cache, const int64_t *block_tables,
