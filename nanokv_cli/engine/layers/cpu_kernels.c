@@ -552,8 +552,6 @@ static float row_q8_float(const Linear *L, int64_t o, const float *x) {
     return s;
 }
 
-/* y [n, out] (row stride y_stride) = x [n, in] (row stride x_stride) W^T + b. Quantized kinds
-   need in % 32 == 0. Returns nonzero if out of memory. */
 /* ---- Fixed-point GEMM for batches (LINEAR_I16) ------------------------------------------------
    Float32 weights rounded once to 14-bit integers per output row, inputs to 13-bit integers per
    64 values, multiplied with vpmaddwd: 16 products per instruction against an FMA's 8, and the
@@ -767,6 +765,8 @@ static int linear_i16(const Linear *L, const float *x, int64_t x_stride, int64_t
     return 0;
 }
 
+/* y [n, out] (row stride y_stride) = x [n, in] (row stride x_stride) W^T + b. Quantized kinds
+   need in % 32 == 0, LINEAR_I16 in % 64 == 0. Returns nonzero if out of memory. */
 int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
                int64_t y_stride, int threads) {
     if (L->kind == LINEAR_I16) return linear_i16(L, x, x_stride, n, y, y_stride, threads);
