@@ -244,6 +244,18 @@ static inline void prefetch_rows(const void *cache, int64_t first, int64_t m, in
 #endif
 }
 
+/* The chunk of a sequence's cache rows that starts at position t (of len, through table):
+   its length in *m, its first cache row returned, and the chunk after it prefetched. */
+static inline int64_t chunk_at(const void *cache, const int64_t *table, int64_t t, int64_t len,
+                               int64_t block_size, int half, int64_t row_bytes, int64_t *m) {
+    *m = chunk_rows(t, len, block_size, half);
+    const int64_t next = t + *m;
+    if (next < len)
+        prefetch_rows(cache, table[next / block_size] * block_size + next % block_size,
+                      chunk_rows(next, len, block_size, half), row_bytes);
+    return table[t / block_size] * block_size + t % block_size;
+}
+
 /* One query token per row: q [n, heads, dim] (token stride q_stride), caches
    [num_blocks, block_size, kv_heads, dim], block_tables [n, width], out [n, heads, dim]
    (token stride out_stride). Row i attends to the first context_lens[i] positions of its
@@ -277,12 +289,8 @@ int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
                 const int64_t *table = block_tables + i * width;
                 const float *qi = q + i * q_stride + h0 * group * dim;
                 float *oi = out + i * out_stride + h0 * group * dim;
-#define CACHE_ROW(t) (table[(t) / block_size] * block_size + (t) % block_size)
                 for (int64_t t0 = 0, m; t0 < len; t0 += m) {
-                    m = chunk_rows(t0, len, block_size, half);
-                    if (t0 + m < len)
-                        prefetch_rows(k_cache, CACHE_ROW(t0 + m), chunk_rows(t0 + m, len, block_size, half), row_bytes);
-                    const int64_t at = CACHE_ROW(t0) * slot + h0 * dim;
+                    const int64_t at = chunk_at(k_cache, table, t0, len, block_size, half, row_bytes, &m) * slot + h0 * dim;
                     for (int64_t g = 0; g < hq; g++) {
                         const int64_t a = at + g / group * dim;
                         if (half)
@@ -304,10 +312,7 @@ int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
                 }
                 memset(oi, 0, sizeof(float) * (size_t)(hq * dim));
                 for (int64_t t0 = 0, m; t0 < len; t0 += m) {
-                    m = chunk_rows(t0, len, block_size, half);
-                    if (t0 + m < len)
-                        prefetch_rows(v_cache, CACHE_ROW(t0 + m), chunk_rows(t0 + m, len, block_size, half), row_bytes);
-                    const int64_t at = CACHE_ROW(t0) * slot + h0 * dim;
+                    const int64_t at = chunk_at(v_cache, table, t0, len, block_size, half, row_bytes, &m) * slot + h0 * dim;
                     for (int64_t g = 0; g < hq; g++) {
                         const int64_t a = at + g / group * dim;
                         if (half)
@@ -316,7 +321,6 @@ int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
                             weighted_values(scores + g * row + t0, (const float *)v_cache + a, slot, m, dim, oi + g * dim, 0);
                     }
                 }
-#undef CACHE_ROW
                 for (int64_t g = 0; g < hq; g++) {
                     const float inv = 1.0f / totals[g];
                     for (int64_t d = 0; d < dim; d++) oi[g * dim + d] *= inv;
