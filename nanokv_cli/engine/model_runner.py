@@ -543,10 +543,7 @@ class ModelRunner:
         if len(owners) > len(seqs):
             tables = tables[torch.tensor(owners)]
         return PagedDecode(
-            start=0,
-            end=len(lengths),
-            block_tables=tables,
-            context_lens=torch.tensor(lengths, dtype=torch.long),
+            block_tables=tables, context_lens=torch.tensor(lengths, dtype=torch.long)
         )
 
     def _decode_groups(self, seqs: list[Sequence], contexts: list[int]) -> list[DecodeGroup]:

@@ -72,12 +72,10 @@ class DecodeGroup:
 
 @dataclass
 class PagedDecode:
-    """Query rows ``[start, end)``, each attending to the first ``context_lens`` positions of its
-    sequence, by the CPU kernel straight from the cache (every row of a CPU step: decodes, and
-    each row of a prefill chunk, whose context ends at its own position)."""
+    """Every query row of a CPU step, each attending to the first ``context_lens`` positions of
+    its sequence, by the CPU kernel straight from the cache (decodes, and each row of a prefill
+    chunk, whose context ends at its own position)."""
 
-    start: int
-    end: int
     block_tables: torch.Tensor  # int64 [end - start, width], padded with block 0
     context_lens: torch.Tensor  # int64 [end - start]
 
@@ -159,24 +157,22 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         paged = meta.paged_decode
-        parts = len(meta.decode_groups) + len(meta.prefills) + (paged is not None)
-        # A step with one part (the common decode step and single prompts) returns its result
-        # directly; only mixed steps pay for assembling an output buffer.
-        out = None if parts == 1 else q.new_empty(q.shape)
-        if paged is not None:
-            rows = slice(paged.start, paged.end)
-            target = q.new_empty(q[rows].shape) if out is None else out[rows]
+        if paged is not None:  # the CPU kernels' path serves every row of the step
+            out = q.new_empty(q.shape)
             cpu_kernels.paged_decode(
-                q[rows],
+                q,
                 self.k_cache,
                 self.v_cache,
                 paged.block_tables,
                 paged.context_lens,
                 self.scale,
-                target,
+                out,
             )
-            if out is None:
-                return target
+            return out
+        parts = len(meta.decode_groups) + len(meta.prefills)
+        # A step with one part (the common decode step and single prompts) returns its result
+        # directly; only mixed steps pay for assembling an output buffer.
+        out = None if parts == 1 else q.new_empty(q.shape)
         for group in meta.decode_groups:
             o = self._decode_group(q, group, meta.workspace)
             if out is None:
@@ -192,7 +188,7 @@ class Attention(nn.Module):
     def _gather(
         self, slots: torch.Tensor, workspace: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V rows [len(slots), kv_heads, hd] of these cache slots, in the cache's dtype."""
+        """K and V rows [len(slots), kv_heads, hd] of these cache slots."""
         kvh, hd = self.num_kv_heads, self.head_dim
         k_rows, v_rows = self.k_cache.view(-1, kvh, hd), self.v_cache.view(-1, kvh, hd)
         if workspace is None:
@@ -235,8 +231,6 @@ class Attention(nn.Module):
             key, value = k[c.start : c.end], v[c.start : c.end]
         else:
             key, value = self._gather(c.ctx_slots, workspace)
-            # A float16 cache under float32 (the CPU kernels' cache, see ModelRunner).
-            key, value = key.to(q.dtype), value.to(q.dtype)
         if not uses_sdpa_prefill(q.dtype):
             return self._prefill_blockwise(q[c.start : c.end], key, value, c.num_cached)
         query = q[c.start : c.end].transpose(0, 1)  # [heads, n, hd]
