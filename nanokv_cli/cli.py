@@ -326,8 +326,8 @@ QuantizationOpt = Annotated[
     str,
     typer.Option(
         help="Quantized weights on CPU. auto: a GGUF's own Q4/Q8 blocks serve steps of few "
-        "sequences (~3x faster single-stream decoding), 14-bit fixed-point copies batched "
-        "decoding and prefills, K/V in float16 (as llama.cpp); none: float32 "
+        "sequences (~3x faster single-stream decoding) and, unpacked for a tiled GEMM, "
+        "batched decoding; 14-bit fixed-point copies prefills; K/V in float16 (as llama.cpp); none: float32 "
         "only; int8, int4: quantized only (4-8x smaller weights). [default: auto]",
         show_default=False,
     ),

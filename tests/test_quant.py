@@ -398,6 +398,59 @@ def test_fixed_point_refuses_what_it_cannot_run():
         layer.to(torch.float16)
 
 
+# -- int4 panels for batches (PanelInt4Linear, LINEAR_Q4_PANELS) ----------------------------------
+
+
+@pytest.mark.parametrize("out_features", [1, 16, 37, 960])
+@pytest.mark.parametrize(
+    "rows,in_features",
+    [(1, 64), (5, 96), (6, 96), (7, 32), (17, 96), (64, 192), (300, 192), (97, 1536)],
+)
+def test_int4_panels_compute_what_the_int4_kernel_does(out_features, rows, in_features):
+    # Tiles of 6 rows x 16 outputs (short last ones) in work items (300 x 192 and 97 x 1536
+    # make several chunks of rows): the row kernel's input rounding and integer products,
+    # summed in another order, so check_kernel's bounds hold and the two agree to float32.
+    bias = torch.linspace(-1, 1, out_features)
+    layer = QuantizedLinear.from_float(
+        weight(out_features, in_features, seed=out_features), "int4", bias
+    )
+    panels = quant.PanelInt4Linear(layer)
+    x = inputs(rows, in_features, seed=rows)
+    x[rows // 2, : in_features // 2] = 0.0  # all-zero groups: a zero scale
+    y = panels(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    check_kernel(layer, x, y)
+    assert rel_err(y, kernel_only(layer)(x)) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1])
+def test_int4_panels_take_gguf_blocks_as_they_are(qtype):
+    raw, values = gguf_blocks(qtype, shape=(77, 576))
+    layer = QuantizedLinear.from_gguf(raw, qtype, values.shape, "int4")
+    x = inputs(40, 576)
+    y = quant.PanelInt4Linear(layer)(x)
+    check_kernel(layer, x, y)
+    assert rel_err(y, x @ values.T) < 1e-2  # the int8 rounding of the inputs
+
+
+def test_int4_panels_read_row_strided_inputs_and_keep_dtypes():
+    panels = quant.PanelInt4Linear(QuantizedLinear.from_float(weight(40, 128), "int4"))
+    wide = inputs(6, 200)
+    x = wide[:, 36:164]
+    assert x.stride() == (200, 1)
+    assert torch.equal(panels(x), panels(x.contiguous()))
+    y = panels(x.to(torch.bfloat16).view(2, 3, 128))
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 40)
+
+
+def test_int4_panels_refuse_int8_layers_and_hold_a_byte_per_weight():
+    with pytest.raises(quant.QuantizationError, match="int4 layer"):
+        quant.PanelInt4Linear(QuantizedLinear.from_float(weight(16, 64), "int8"))
+    panels = quant.PanelInt4Linear(QuantizedLinear.from_float(weight(20, 64), "int4"))
+    # Two panels of 16 outputs; per 32 inputs 512 weight bytes and 16 float scales and zeros.
+    assert panels.nbytes == 2 * 2 * (512 + 2 * 16 * 4)
+
+
 # -- GGUF blocks --------------------------------------------------------------------------------
 
 

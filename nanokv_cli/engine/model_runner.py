@@ -37,6 +37,7 @@ from .layers.attention import (
 from .layers.linear import (
     LinearBase,
     pack_for_single_row,
+    prefill_step,
     single_row_packing_available,
     worth_packing,
 )
@@ -408,7 +409,8 @@ class ModelRunner:
         if not seqs:
             raise ValueError("run needs at least one sequence")
         batch = self._prepare(seqs)
-        hidden = self._forward(batch)
+        with prefill_step(batch.logits_rows is not None):  # rows of several tokens: prefills
+            hidden = self._forward(batch)
         if batch.logits_rows is not None:
             hidden = hidden.index_select(0, batch.logits_rows)
         logits = self.model.compute_logits(hidden)

@@ -11,10 +11,12 @@ Modes:
 
 - ``auto`` (the default): for a GGUF file, each projection and the LM head get a quantized
   twin made of the file's own blocks (``attach_file_blocks``), which serves steps of fewer
-  than ``AUTO_MAX_ROWS`` rows, and a fixed-point copy (``layers.quant.FixedPointLinear``,
-  14-bit weights) for every larger step: batched decode steps and prefills. Both are made
-  from the loaded float weights, which are then freed (a layer without both keeps its float
-  path). Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
+  than ``AUTO_MAX_ROWS`` rows, and copies laid out for tiled GEMMs for larger ones: a
+  fixed-point copy (``layers.quant.FixedPointLinear``, 14-bit weights, error ~1e-4) for steps
+  with prefill rows, and for decode steps int4 blocks unpacked into panels
+  (``layers.quant.PanelInt4Linear``: the twin's arithmetic, ~1.3x faster; int8 layers use the
+  fixed-point copy there too). The loaded float weights are then freed (a layer without the
+  copies keeps its float path). Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
   has no blocks (safetensors), it is ``none``.
 - ``int8``: projections, LM head and embedding table in int8 groups of 32 (Q8_0).
 - ``int4``: projections in 4-bit groups of 32 (Q4_1); the LM head and embedding table in int8
@@ -44,13 +46,19 @@ from torch import nn
 from .layers import cpu_kernels
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import LinearBase
-from .layers.quant import GROUP_SIZE, FixedPointLinear, QuantizedEmbedding, QuantizedLinear
+from .layers.quant import (
+    GROUP_SIZE,
+    FixedPointLinear,
+    PanelInt4Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
 from .loader import QuantizedTensor, load_gguf_quantized
 from .models import load_weights
 
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8", "int4")
 # ``auto``: steps of fewer rows than this run on the quantized twins, others on the
-# fixed-point copies or the float weights. Twin kernel against float32 F.linear, SmolLM2's 30
+# batch copies or the float weights. Twin kernel against float32 F.linear, SmolLM2's 30
 # layers, AVX2, 1 thread, ms per step: 12 rows 66 / 76, 16 rows 88 / 86, 24 rows 130 / 107.
 AUTO_MAX_ROWS = 16
 HEAD_MODE = "int8"
@@ -119,8 +127,9 @@ def file_blocks(gguf_path: str) -> dict[str, QuantizedTensor]:
 
 def attach_file_blocks(model: nn.Module, blocks: Mapping[str, QuantizedTensor]) -> int:
     """``--quantization auto``: give the loaded float model's projections and LM head a
-    quantized twin made of the file's own blocks, for steps of few rows, and a fixed-point copy
-    for the rest; returns how many layers got them.
+    quantized twin made of the file's own blocks, for steps of few rows, and copies for larger
+    ones (fixed point; int4 blocks also in panels, for decode steps); returns how many layers
+    got them.
 
     The float weights are the same blocks dequantized, so every path computes with the same
     weights; the twin only rounds its inputs to int8 per 32 values (as llama.cpp does). With
@@ -148,7 +157,11 @@ def attach_file_blocks(model: nn.Module, blocks: Mapping[str, QuantizedTensor]) 
         twin.dense_min_rows = AUTO_MAX_ROWS
         module.quantized = twin
         if module.weight.shape[1] % cpu_kernels.I16_BLOCK == 0:
-            module.fixed = FixedPointLinear(module.weight, bias)
+            exact = FixedPointLinear(module.weight, bias)
+            if mode == "int4":  # decode batches on the blocks' own arithmetic, prefills exact
+                module.batched, module.exact = PanelInt4Linear(twin), exact
+            else:
+                module.batched = exact
             if not (tied and isinstance(module, ParallelLMHead)):
                 # Empty, not deleted: its shape[1] still says the layer's input size.
                 empty = module.weight.new_empty(0, module.weight.shape[1])
@@ -192,11 +205,11 @@ def quantize_model(model: nn.Module, mode: str, weights: Mapping[str, Weight]) -
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's weights: parameters and quantized or fixed-point buffers,
+    """Bytes held by the model's weights: parameters and quantized or batch-copy buffers,
     shared ones once."""
     tensors: list[torch.Tensor] = list(model.parameters())
     for module in model.modules():
-        if isinstance(module, (QuantizedLinear, FixedPointLinear)):
+        if isinstance(module, (QuantizedLinear, FixedPointLinear, PanelInt4Linear)):
             tensors.extend(module.buffers(recurse=False))
     seen: dict[int, int] = {}
     for t in tensors:

@@ -14,9 +14,12 @@ Why leave PyTorch on the CPU:
 * Quantized weights. ``linear`` multiplies GGUF-format int8/int4 weights (Q8_0, Q4_0/Q4_1
   blocks) by inputs rounded to int8 per 32 values, with integer multiply-adds; see
   ``layers/quant.py``. Float32 weights go through the same entry point for ``decode_step``,
-  and so do the fixed-point copies ``--quantization auto`` uses for batches and prefills
-  (``pack_i16``: 14-bit weights against inputs rounded to 13 bits per 64 values, 16 products
-  per AVX2 instruction, an assembly tile blocked for L1/L2; ``quant.FixedPointLinear``).
+  and so do the copies ``--quantization auto`` uses for batches, tiled GEMMs with assembly
+  tiles blocked for L1/L2: fixed point for prefills (``pack_i16``: 14-bit weights against
+  inputs rounded to 13 bits per 64 values, 16 products per instruction;
+  ``quant.FixedPointLinear``) and int4 blocks unpacked into panels for decode steps
+  (``pack_q4_panels``: the same int8-rounded inputs as the blocks' row kernel, 32 products
+  per instruction; ``quant.PanelInt4Linear``).
 * A float16 KV cache (``auto``, CPUs with F16C): the store rounds K/V to float16 and the
   attention kernel converts them back as it reads, halving a decode step's cache traffic.
 
@@ -62,7 +65,7 @@ _ENV_SWITCH = "NANOKV_CPU_KERNELS"
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 # Weight storage kinds of the C ``Linear`` (see cpu_kernels.c).
-LINEAR_F32, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_FLOAT_INPUT, LINEAR_I16 = 0, 1, 2, 3, 4
+LINEAR_F32, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_FLOAT_INPUT, LINEAR_I16, LINEAR_Q4_PANELS = range(6)
 # LINEAR_I16 rounds inputs per this many values; the input size must be a multiple of it.
 I16_BLOCK = 64
 
@@ -133,6 +136,8 @@ _SIGNATURES = {
     "dequantize_rows_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _ptr, _int], None),
     "i16_packed_ints": ([_i64, _i64], _i64),
     "pack_i16": ([_ptr, _i64, _i64, _ptr, _ptr, _int], _int),
+    "q4_panel_bytes": ([_i64, _i64], _i64),
+    "pack_q4_panels": ([ctypes.POINTER(LinearSpec), _ptr, _int], None),
     "decode_step_f32": (
         [ctypes.POINTER(DecoderSpec), _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
         _int,
@@ -349,6 +354,17 @@ def pack_i16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.get_num_threads(),
     )
     return packed, scale
+
+
+def pack_q4_panels(spec: LinearSpec) -> torch.Tensor:
+    """A ``LINEAR_Q4`` layer's blocks as ``LINEAR_Q4_PANELS`` reads them: one byte per weight in
+    panels of 16 outputs, with float32 scales and zeros (see cpu_kernels.c)."""
+    if spec.kind != LINEAR_Q4:
+        raise ValueError("pack_q4_panels takes a LINEAR_Q4 layer")
+    lib = _library()
+    packed = torch.empty(lib.q4_panel_bytes(spec.out, spec.in_), dtype=torch.uint8)
+    lib.pack_q4_panels(ctypes.byref(spec), packed.data_ptr(), torch.get_num_threads())
+    return packed
 
 
 def dequantize_rows(spec: LinearSpec, rows: torch.Tensor) -> torch.Tensor:

@@ -52,10 +52,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
         self.packed_row: torch.Tensor | None = None
-        # ``--quantization auto``: the file's quantized blocks for few rows and a fixed-point
-        # copy for batches (see LinearBase).
+        # ``--quantization auto``: the file's quantized blocks for few rows and a copy for
+        # batches (see LinearBase).
         self.quantized: nn.Module | None = None
-        self.fixed: nn.Module | None = None
+        self.batched: nn.Module | None = None
+        self.exact: nn.Module | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         twin = auto_twin(self, hidden.shape[0])

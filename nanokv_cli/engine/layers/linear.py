@@ -5,6 +5,9 @@ Hugging Face tensor and copies the slice this rank owns, so the same loading cod
 TP=N. Fused layers (qkv, gate/up) take one HF tensor per ``shard_id``.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -51,13 +54,33 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+# Whether the step being computed holds prefill rows; set by the model runner around each
+# forward (``prefill_step``), read by ``auto_twin``.
+_prefill_step = False
+
+
+@contextmanager
+def prefill_step(on: bool) -> Iterator[None]:
+    """Mark the forward run inside as a step with (``on``) or without prefill rows."""
+    global _prefill_step
+    saved, _prefill_step = _prefill_step, on
+    try:
+        yield
+    finally:
+        _prefill_step = saved
+
+
 def auto_twin(module: nn.Module, rows: int) -> nn.Module | None:
     """The ``--quantization auto`` copy of a layer's weights that serves ``rows`` input rows:
-    the model file's blocks for few rows, the fixed-point copy for more; None: the float
-    weights (every step without ``auto``)."""
+    the model file's blocks for few rows; for more, the batch copy, or in a step with prefill
+    rows the exact copy where there is one (a prompt's K/V feed every later token, so they are
+    computed without rounding the inputs to int8); None: the float weights (every step
+    without ``auto``)."""
     if module.quantized is not None and rows < module.quantized.dense_min_rows:
         return module.quantized
-    return module.fixed
+    if _prefill_step and module.exact is not None:
+        return module.exact
+    return module.batched
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -80,10 +103,11 @@ class LinearBase(nn.Module):
         # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
         self.packed_row: torch.Tensor | None = None
         # ``--quantization auto`` (quantize.attach_file_blocks), one rank only: the same weights
-        # as a model file's quantized blocks, which serve steps of few rows, and as a
-        # fixed-point copy for batches (see auto_twin).
+        # as a model file's quantized blocks, which serve steps of few rows, and as copies
+        # laid out for batches and for prefills (see auto_twin).
         self.quantized: nn.Module | None = None
-        self.fixed: nn.Module | None = None
+        self.batched: nn.Module | None = None
+        self.exact: nn.Module | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
