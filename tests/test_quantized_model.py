@@ -240,7 +240,7 @@ def decode_rows(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     return runner.run_logits(seqs).float()
 
 
-def test_auto_decode_batches_round_as_single_tokens_do():
+def test_auto_decode_batches_round_as_single_tokens_do(monkeypatch):
     # A decode step of 16 rows runs on the panels: the blocks' arithmetic, as a lone
     # sequence's single-token steps, and about as close to float32. Measured mean KL 1.1e-3
     # (one token at a time, on the blocks: 1.25e-3).
@@ -249,8 +249,16 @@ def test_auto_decode_batches_round_as_single_tokens_do():
     assert isinstance(auto_twin(qkv, 16), PanelInt4Linear)
     ids = auto.encode(TEXT)
     prompts = [ids[:n] for n in range(17, 33)]
-    kl = mean_kl(decode_rows(reference, prompts), decode_rows(auto, prompts))
-    assert kl < AUTO_DECODE_BATCH_MAX_KL
+    calls = []
+    real = cpu_kernels.decode_step
+    monkeypatch.setattr(cpu_kernels, "decode_step", lambda *a: calls.append(len(a[1])) or real(*a))
+    logits = decode_rows(auto, prompts)
+    assert calls == [16]  # the whole decoder in one C call, over the panels
+    assert mean_kl(decode_rows(reference, prompts), logits) < AUTO_DECODE_BATCH_MAX_KL
+    # The same kernels called layer by layer from Python compute the same step.
+    auto.model_runner.cpu_batch_decoder = None
+    torch.testing.assert_close(decode_rows(auto, prompts), logits, atol=1e-4, rtol=0)
+    assert calls == [16]
 
 
 def test_int4_default_model_still_knows_paris(int4_llm):

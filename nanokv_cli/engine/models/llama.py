@@ -176,19 +176,20 @@ class DecoderForCausalLM(nn.Module):
         """Final hidden states [num_tokens, hidden] (logits are computed only where needed)."""
         return self.model(input_ids, positions, meta)
 
-    def cpu_decoder(self) -> cpu_kernels.DecoderSpec:
+    def cpu_decoder(self, batched: bool = False) -> cpu_kernels.DecoderSpec:
         """The C view of the whole decoder for ``cpu_kernels.decode_step`` (float32 CPU, one
         rank, K/V caches bound): raw pointers into this model's tensors, so rebuild it if they
-        move. The spec keeps its layer array alive."""
+        move. The spec keeps its layer array alive. ``batched``: over the projections'
+        ``--quantization auto`` batch copies, for decode steps of many rows."""
         m, cfg = self.model, self.config
         attn0 = m.layers[0].self_attn
         layers = (cpu_kernels.DecoderLayerSpec * len(m.layers))()
         for spec, layer in zip(layers, m.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            spec.qkv = _linear_spec(attn.qkv_proj)
-            spec.o = _linear_spec(attn.o_proj)
-            spec.gate_up = _linear_spec(mlp.gate_up_proj)
-            spec.down = _linear_spec(mlp.down_proj)
+            spec.qkv = _linear_spec(attn.qkv_proj, batched)
+            spec.o = _linear_spec(attn.o_proj, batched)
+            spec.gate_up = _linear_spec(mlp.gate_up_proj, batched)
+            spec.down = _linear_spec(mlp.down_proj, batched)
             spec.input_norm = layer.input_layernorm.weight.data_ptr()
             spec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             if attn.qk_norm:
@@ -219,7 +220,9 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-def _linear_spec(module: nn.Module) -> cpu_kernels.LinearSpec:
+def _linear_spec(module: nn.Module, batched: bool = False) -> cpu_kernels.LinearSpec:
+    if batched:
+        return module.batched.spec
     if isinstance(module, QuantizedLinear):
         return module.spec
     if getattr(module, "quantized", None) is not None:  # --quantization auto
