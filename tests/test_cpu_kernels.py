@@ -102,6 +102,34 @@ def test_paged_decode_matches_sdpa_and_reads_only_the_context(
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_paged_decode_serves_prefill_rows_each_with_its_own_context(threads, cache_dtype):
+    # A prefill chunk's rows are queries whose contexts end at their own positions, over the
+    # same blocks: a 13-row chunk after 5 cached tokens, a decode row, a 20-token prompt, and
+    # two sequences sharing their first two blocks, with consecutive lengths.
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, block_size = 6, 2, 64, 16
+    num_blocks = 24
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    seq_tables = {"a": order[0:2], "b": order[2:5], "c": order[5:7], "d": order[7:9]}
+    seq_tables["e"] = seq_tables["d"] + order[9:10]  # d's blocks, then one of its own
+    rows = [("a", n) for n in range(6, 19)] + [("b", 40)] + [("c", n) for n in range(1, 21)]
+    rows += [("d", 32), ("e", 33)]
+    width = 3
+    tables = torch.tensor([(seq_tables[s] + [0] * width)[:width] for s, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    q = torch.randn(len(rows), heads, dim, generator=g)
+    out = torch.zeros(len(rows), heads, dim)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, dim**-0.5, out)
+    expected = reference_decode(q, k_cache.float(), v_cache.float(), tables, lens, dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_the_transformers_formula(with_residual):
     g = torch.Generator().manual_seed(1)

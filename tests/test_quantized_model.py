@@ -62,7 +62,7 @@ DEFAULT_MODEL_LIMITS = {
     "int8": (2e-2, 0.85, 0.4),
     "auto": (1.2e-2, 0.9, 0.5),  # int4's blocks for single tokens, plus float16 K/V
 }
-AUTO_BATCH_MAX_KL = 5e-5
+AUTO_BATCH_MAX_KL = 1.2e-4
 AUTO_DECODE_BATCH_MAX_KL = 2.5e-3
 TINY_REL_ERROR = {"int8": 0.03, "int4": 0.25}
 
@@ -191,12 +191,12 @@ def test_auto_is_the_default_and_trades_the_float_weights_for_two_copies(auto_ll
 
 def test_auto_serves_each_step_size_from_its_copy(auto_llm):
     qkv = auto_llm.model_runner.model.model.layers[3].self_attn.qkv_proj
-    assert auto_twin(qkv, 1) is auto_twin(qkv, 15) is qkv.quantized  # the file's blocks
+    assert auto_twin(qkv, 1) is auto_twin(qkv, 3) is qkv.quantized  # the file's blocks
     # Decode steps of more rows: the panels; steps with prefill rows: the fixed-point copy.
     assert auto_twin(qkv, 16) is auto_twin(qkv, 255) is auto_twin(qkv, 4096) is qkv.batched
     with prefill_step(True):
         assert auto_twin(qkv, 16) is auto_twin(qkv, 4096) is qkv.exact
-        assert auto_twin(qkv, 15) is qkv.quantized
+        assert auto_twin(qkv, 3) is qkv.quantized
 
 
 def test_none_keeps_float32_end_to_end(reference_llm):
@@ -210,15 +210,15 @@ def test_none_keeps_float32_end_to_end(reference_llm):
 
 
 def test_auto_batches_stay_close_to_float(auto_llm, reference_llm):
-    # Prefills of 16 tokens or more run on the fixed-point copies: 14-bit weights, 13-bit
-    # inputs. Measured KL 0.7-1.5e-5 after 16-33 tokens, against ~4e-3 for a prefill on the
+    # Prefills of 4 tokens or more run on the fixed-point copies: 14-bit weights, 13-bit
+    # inputs. Measured KL 0.8-5.5e-5 after 4-330 tokens, against ~4e-3 for a prefill on the
     # blocks' int8-rounded arithmetic (which turned the default model's answer to "What is the
     # capital of France?" from Paris to "L'Etoile, la Marseillaise, ..."); the long prompt (over
     # 300 tokens, several tiles of rows and work items per thread) too.
     ids = auto_llm.encode(TEXT)
     long_ids = auto_llm.encode(" ".join([TEXT] * 10))
     assert len(long_ids) > 300
-    for prompt in (ids[:16], ids[:24], ids, long_ids):
+    for prompt in (ids[:5], ids[:16], ids[:24], ids, long_ids):
         ref = logits_along(reference_llm, prompt, len(prompt))
         assert mean_kl(ref, logits_along(auto_llm, prompt, len(prompt))) < AUTO_BATCH_MAX_KL
 

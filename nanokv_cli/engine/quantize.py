@@ -58,9 +58,11 @@ from .models import load_weights
 
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8", "int4")
 # ``auto``: steps of fewer rows than this run on the quantized twins, others on the
-# batch copies or the float weights. Twin kernel against float32 F.linear, SmolLM2's 30
-# layers, AVX2, 1 thread, ms per step: 12 rows 66 / 76, 16 rows 88 / 86, 24 rows 130 / 107.
-AUTO_MAX_ROWS = 16
+# batch copies or the float weights. SmolLM2, 2 threads, ms per decode step, twin / panels
+# (contexts of 300): 2 rows 10.1 / 14.7, 4 rows 19.0 / 18.4, 6 rows 27.8 / 20.2, 8 rows
+# 36.0 / 28.3, 16 rows 58.4 / 35.1; its Q8_0 LM head, twin / fixed point: 2 rows 2.49 /
+# 2.52, 4 rows 4.29 / 2.62 ms (scripts/BENCHMARKS.md, change 23).
+AUTO_MAX_ROWS = 4
 HEAD_MODE = "int8"
 # GGML types held exactly (gguf.GGMLQuantizationType Q4_0, Q4_1; Q8_0).
 _EXACT_INT4_TYPES = frozenset({2, 3})
