@@ -273,8 +273,8 @@ class ModelRunner:
             ),
             default=FUSED_DECODE_MAX_ROWS,
         )
-        # ``auto``: larger decode steps run in one C call too, over the batch copies (~10% of
-        # a 64-row step is Python otherwise).
+        # ``auto``: larger decode steps run in one C call too, over the batch copies (12-18%
+        # faster than layer by layer at 17-64 rows; scripts/BENCHMARKS.md, change 20).
         projections = [m for m in self.model.model.layers.modules() if isinstance(m, LinearBase)]
         self.cpu_batch_decoder = (
             self.model.cpu_decoder(batched=True)
