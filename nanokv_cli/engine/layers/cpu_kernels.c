@@ -669,6 +669,14 @@ static void quantize_i16(const float *x, int64_t x_stride, int64_t n, int64_t n_
     }
 }
 
+/* ROW(address, a, b) for each of a tile's six input rows at byte offset xo, with its two
+   accumulators: rows 0-2 from %[x0] and 3-5 from %[x3], %[xs] bytes apart (an x86 address
+   takes a base, an index scaled by 1, 2, 4 or 8, and an offset). Both assembly tiles use it. */
+#define TILE_ROWS(ROW, xo)                                                      \
+    ROW(#xo "(%[x0])", 0, 1) ROW(#xo "(%[x0],%[xs],1)", 2, 3)                  \
+    ROW(#xo "(%[x0],%[xs],2)", 4, 5) ROW(#xo "(%[x3])", 6, 7)                  \
+    ROW(#xo "(%[x3],%[xs],1)", 8, 9) ROW(#xo "(%[x3],%[xs],2)", 10, 11)
+
 /* sums[6][16] += the dot products of 6 rounded input rows (row r at x + r * x_stride int16,
    scales at d + r * d_stride) with one weight panel, each 64-block's integer sum times its
    input scale (the weight scale is applied by the caller). */
@@ -689,9 +697,7 @@ static void tile_i16(const int16_t *x, int64_t x_stride, const float *d, int64_t
 #define I16_PAIR(xo, wo)                                                        \
     "vmovdqu " #wo "(%[w]), %%ymm12\n\t"                                       \
     "vmovdqu " #wo "+32(%[w]), %%ymm13\n\t"                                    \
-    I16_ROW(#xo "(%[x0])", 0, 1) I16_ROW(#xo "(%[x0],%[xs],1)", 2, 3)          \
-    I16_ROW(#xo "(%[x0],%[xs],2)", 4, 5) I16_ROW(#xo "(%[x3])", 6, 7)          \
-    I16_ROW(#xo "(%[x3],%[xs],1)", 8, 9) I16_ROW(#xo "(%[x3],%[xs],2)", 10, 11)
+    TILE_ROWS(I16_ROW, xo)
 /* sums[r] += float(accumulators a, b) * d[r] */
 #define I16_FLUSH(daddr, a, b, so)                                              \
     "vbroadcastss " daddr ", %%ymm14\n\t"                                      \
@@ -825,9 +831,7 @@ static void tile_q4(const int8_t *x, int64_t x_stride, const float *ds, int64_t 
 #define Q4_STEP(ROW, xo, wo)                                                   \
     "vmovdqu " #wo "(%[w]), %%ymm12\n\t"                                       \
     "vmovdqu " #wo "+32(%[w]), %%ymm13\n\t"                                    \
-    ROW(#xo "(%[x0])", 0, 1) ROW(#xo "(%[x0],%[xs],1)", 2, 3)                  \
-    ROW(#xo "(%[x0],%[xs],2)", 4, 5) ROW(#xo "(%[x3])", 6, 7)                  \
-    ROW(#xo "(%[x3],%[xs],1)", 8, 9) ROW(#xo "(%[x3],%[xs],2)", 10, 11)
+    TILE_ROWS(ROW, xo)
 /* sums[r][half] += float(acc) * scale * d + zero * s */
 #define Q4_HALF(daddr, acc, ho, so)                                            \
     "vpmaddwd %[ones], %%ymm" #acc ", %%ymm15\n\t"                             \
@@ -880,6 +884,8 @@ static void tile_q4(const int8_t *x, int64_t x_stride, const float *ds, int64_t 
     }
 #endif
 }
+
+#undef TILE_ROWS
 
 /* y rows [6 * t, 6 * t + 6) x panel p of a tiled layer (LINEAR_I16 or LINEAR_Q4_PANELS): one
    tile, then the weight scale (LINEAR_I16) and the bias. q and d: the rounded input rows and
