@@ -653,22 +653,6 @@ static void quantize_block_i16(const float *x, int16_t *q, float *d) {
     *d = amax / I16_XMAX;
 }
 
-/* x [n, in] -> int16 q [n_padded, in] and scales [n_padded, in / 64]; padding rows are zero. */
-static void quantize_i16(const float *x, int64_t x_stride, int64_t n, int64_t n_padded, int64_t in,
-                         int16_t *q, float *d, int threads) {
-    const int64_t blocks = in / I16_BLOCK;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
-    for (int64_t i = 0; i < n_padded; i++) {
-        if (i >= n) {
-            memset(q + i * in, 0, sizeof(int16_t) * (size_t)in);
-            memset(d + i * blocks, 0, sizeof(float) * (size_t)blocks);
-            continue;
-        }
-        for (int64_t b = 0; b < blocks; b++)
-            quantize_block_i16(x + i * x_stride + b * I16_BLOCK, q + i * in + b * I16_BLOCK, d + i * blocks + b);
-    }
-}
-
 /* ROW(address, a, b) for each of a tile's six input rows at byte offset xo, with its two
    accumulators: rows 0-2 from %[x0] and 3-5 from %[x3], %[xs] bytes apart (an x86 address
    takes a base, an index scaled by 1, 2, 4 or 8, and an offset). Both assembly tiles use it. */
@@ -788,21 +772,29 @@ void pack_q4_panels(const Linear *L, uint8_t *packed, int threads) {
         }
 }
 
-/* x [n, in] -> int8 q [n_padded, in] and (d, d * sum(q)) [n_padded, in / 32, 2]; padding rows
-   are zero. */
-static void quantize_q8_pairs(const float *x, int64_t x_stride, int64_t n, int64_t n_padded,
-                              int64_t in, int8_t *q, float *ds, int threads) {
-    const int64_t blocks = in / QBLOCK;
+/* A tiled layer's input rounding: x [n, in] -> q [n_padded, in] and its scales; padding rows
+   are zero. LINEAR_I16: int16 per 64 values, one scale each; LINEAR_Q4_PANELS: int8 per 32,
+   the pair (d, d * sum(q)) each. */
+static void round_rows(int q4, const float *x, int64_t x_stride, int64_t n, int64_t n_padded,
+                       int64_t in, void *q, float *d, int threads) {
+    const int64_t block = q4 ? QBLOCK : I16_BLOCK, blocks = in / block, scales = q4 ? 2 : 1;
+    const int64_t row_bytes = q4 ? in : 2 * in;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
     for (int64_t i = 0; i < n_padded; i++) {
+        char *qi = (char *)q + i * row_bytes;
+        float *di = d + i * blocks * scales;
         if (i >= n) {
-            memset(q + i * in, 0, (size_t)in);
-            memset(ds + i * blocks * 2, 0, sizeof(float) * (size_t)(2 * blocks));
+            memset(qi, 0, (size_t)row_bytes);
+            memset(di, 0, sizeof(float) * (size_t)(blocks * scales));
             continue;
         }
-        for (int64_t b = 0; b < blocks; b++)
-            quantize_block_q8(x + i * x_stride + b * QBLOCK, q + i * in + b * QBLOCK,
-                              ds + (i * blocks + b) * 2, ds + (i * blocks + b) * 2 + 1);
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + i * x_stride + b * block;
+            if (q4)
+                quantize_block_q8(xb, (int8_t *)qi + b * block, di + 2 * b, di + 2 * b + 1);
+            else
+                quantize_block_i16(xb, (int16_t *)qi + b * block, di + b);
+        }
     }
 }
 
@@ -927,10 +919,7 @@ static int linear_tiled(const Linear *L, const float *x, int64_t x_stride, int64
         free(d);
         return 1;
     }
-    if (q4)
-        quantize_q8_pairs(x, x_stride, n, padded, in, q, d, threads);
-    else
-        quantize_i16(x, x_stride, n, padded, in, q, d, threads);
+    round_rows(q4, x, x_stride, n, padded, in, q, d, threads);
     /* Work items: a chunk of row tiles against a chunk of panels, small enough that both stay in
        one core's L2 while the tiles run (the row tile in L1, the panels streaming from L2), and
        at least four per thread so that the threads finish together. */
