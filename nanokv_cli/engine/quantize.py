@@ -16,8 +16,8 @@ Modes:
   with prefill rows, and for decode steps int4 blocks unpacked into panels
   (``layers.quant.PanelInt4Linear``: the twin's arithmetic, ~1.3x faster; int8 layers use the
   fixed-point copy there too). The loaded float weights are then freed (a layer without the
-  copies keeps its float path). Where the kernels cannot run (GPU, tensor parallelism, no C compiler) or the file
-  has no blocks (safetensors), it is ``none``.
+  copies keeps its float path). Where the kernels cannot run (GPU, tensor parallelism, no C
+  compiler) or the file has no blocks (safetensors), it is ``none``.
 - ``int8``: projections, LM head and embedding table in int8 groups of 32 (Q8_0).
 - ``int4``: projections in 4-bit groups of 32 (Q4_1); the LM head and embedding table in int8
   (a 4-bit head moves next-token distributions ~40x more than an int8 one, measured on the
