@@ -71,7 +71,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPUs without native bf16), bfloat16, ..."
+        "--dtype", default="auto", help="auto (float32 on CPU), bfloat16, ..."
     )
     p.add_argument(
         "--threads",

@@ -19,7 +19,6 @@ from nanokv_cli.engine.config import ModelConfig
 from nanokv_cli.engine.model_runner import (
     MIN_DECODE_GROUP,
     ModelRunner,
-    cpu_supports_bf16,
     resolve_dtype,
 )
 from nanokv_cli.engine.sampling_params import SamplingParams
@@ -319,8 +318,8 @@ def test_sdpa_prefill_path_matches_transformers(models, name):
 
 def test_dtype_resolution():
     cpu = torch.device("cpu")
-    expected = torch.bfloat16 if cpu_supports_bf16() else torch.float32
-    assert resolve_dtype(None, cpu) == expected
+    assert resolve_dtype(None, cpu) == torch.float32  # the CPU kernels' dtype on every CPU
+    assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("fp32", cpu) == torch.float32
     assert resolve_dtype(torch.bfloat16, cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):

@@ -14,7 +14,6 @@ fused norms, rotary, K/V stores, silu * mul), and MKL-packed copies of the wide 
 """
 
 import ctypes
-import platform
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -86,33 +85,15 @@ _DTYPE_NAMES = {
 }
 
 
-def cpu_supports_bf16() -> bool:
-    """True when this CPU has native bf16 arithmetic (AVX512-BF16/AMX, or Arm BF16).
-
-    Without it bf16 matmuls are emulated and run slower than float32.
-    """
-    try:
-        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-            return True
-    except AttributeError:  # older torch: fall back to the flags below
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    if platform.machine() in ("aarch64", "arm64"):
-        return "bf16" in flags
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        # On CPU the kernels compute in float32 (as llama.cpp does), whatever the CPU offers:
+        # a bfloat16 default would switch them off on AVX512-BF16 machines and run slower.
+        return torch.float32
     resolved = _DTYPE_NAMES.get(str(dtype).lower())
     if resolved is None:
         raise ValueError(
