@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -303,7 +303,7 @@ DtypeOpt = Annotated[
     str | None,
     typer.Option(
         help=f"Weights and KV dtype: {', '.join(DTYPES)}. "
-        "[default: auto: bfloat16 where the hardware has it, else float32]",
+        "[default: auto: float32 on CPU, bfloat16 (else float16) on CUDA]",
         show_default=False,
     ),
 ]
@@ -615,9 +615,10 @@ def _print_generate_summary(results: list[dict[str, Any]], elapsed: float) -> No
     n_prompt = sum(r["num_prompt_tokens"] for r in results)
     n_cached = sum(r["num_cached_tokens"] for r in results)
     rate = n_out / elapsed if elapsed > 0 else 0.0
+    hit_rate = n_cached / n_prompt if n_prompt else 0.0
     stderr_console().print(
         f"[dim]{n_out} tokens in {elapsed:.2f} s ({rate:.1f} tok/s) · prompt {n_prompt} tokens, "
-        f"{n_cached} from the prefix cache[/dim]"
+        f"{n_cached} from the prefix cache (hit rate {hit_rate:.1%})[/dim]"
     )
 
 
@@ -695,17 +696,68 @@ def run_replay(
     live: bool,
     progress: bool,
     record: Path | None,
+    per_request: Path | None = None,
     infinite=None,
     transient: bool = False,
     label: str | None = None,
 ) -> dict[str, Any]:
     """Replay ``requests`` on ``engine`` to the end; return the run's report."""
-    from .engine.replay import Request, replay
     from .report import RunStats
+
+    with ExitStack() as files:
+        records = None
+        if per_request is not None:
+            records = files.enter_context(_open_output(per_request, "--per-request"))
+
+            def write_record(rec: dict[str, Any]) -> None:
+                records.write(json.dumps(rec) + "\n")
+                records.flush()  # one line per request as it finishes: Ctrl-C loses nothing
+
+        stats = RunStats(infinite, on_request=write_record if records else None)
+        return _run_replay(
+            engine,
+            clock,
+            requests,
+            stats,
+            config=config,
+            latencies=latencies,
+            live=live,
+            progress=progress,
+            record=record,
+            transient=transient,
+            label=label,
+        )
+
+
+@contextmanager
+def _open_output(path: Path, flag: str) -> Iterator[IO[str]]:
+    """Open an output file before the run starts, so a bad path fails at once, by name."""
+    try:
+        f = open(path, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        raise CliError(f"cannot write {flag} {path}: {e.strerror or e}") from None
+    with f:
+        yield f
+
+
+def _run_replay(
+    engine,
+    clock,
+    requests: list,
+    stats,
+    *,
+    config: dict[str, Any],
+    latencies: bool,
+    live: bool,
+    progress: bool,
+    record: Path | None,
+    transient: bool,
+    label: str | None,
+) -> dict[str, Any]:
+    from .engine.replay import Request, replay
     from .trace import TraceWriter, make_header
     from .views.live import LiveView
 
-    stats = RunStats(infinite)
     unsubscribe = [engine.events.subscribe(stats)]
     rejected: list[str] = []
 
@@ -762,7 +814,8 @@ def run_replay(
         advance = stack.enter_context(_progress(len(requests), progress and not live))
         tick = view.tick if live else None
         try:
-            for outputs in replay(engine, requests, clock, on_rejected=on_rejected):
+            tag = lambda seq_id, req: stats.tag(seq_id, line=req.tag)  # noqa: E731
+            for outputs in replay(engine, requests, clock, on_added=tag, on_rejected=on_rejected):
                 if latencies:
                     stats.observe(outputs, engine.clock)
                 if outputs:
@@ -842,6 +895,14 @@ def replay_cmd(
         Path | None,
         typer.Option(help="Write every cache event to this trace file (for `nanokv inspect`)."),
     ] = None,
+    per_request: Annotated[
+        Path | None,
+        typer.Option(
+            "--per-request",
+            help="Write one JSON line per finished request: prompt and cached tokens, "
+            "why the rest missed, latencies.",
+        ),
+    ] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Replay a prompt file or a request trace and report throughput, latency and cache hits.
@@ -858,6 +919,7 @@ def replay_cmd(
     nanokv replay prompts.jsonl --record run.trace --report run.json
     nanokv replay mooncake.jsonl --dry-run --limit 500 --block-size 16,64,256 --num-blocks 2000,8000
     nanokv replay mooncake.jsonl --dry-run --rate 5 --json
+    nanokv replay prompts.jsonl --per-request requests.jsonl   # why each request hit or missed
     ```
     """
     block_sizes = parse_int_list(block_size, "--block-size")
@@ -880,6 +942,11 @@ def replay_cmd(
     if several and record is not None:
         raise typer.BadParameter(
             "a trace records one run: give one --block-size and --num-blocks", param_hint="--record"
+        )
+    if several and per_request is not None:
+        raise typer.BadParameter(
+            "per-request records describe one run: give one --block-size and --num-blocks",
+            param_hint="--per-request",
         )
     if dry_run and kv_cache_memory:
         raise typer.BadParameter(
@@ -910,7 +977,16 @@ def replay_cmd(
                     for n in (sizes or [-(-DRY_RUN_CACHE_TOKENS // bs)])
                 ]
                 _dry_runs(
-                    grid, requests, config, limits, reports, live_on, progress, record, several
+                    grid,
+                    requests,
+                    config,
+                    limits,
+                    reports,
+                    live_on,
+                    progress,
+                    record,
+                    several,
+                    per_request,
                 )
             else:
                 llm = make_llm(
@@ -942,6 +1018,7 @@ def replay_cmd(
                         live=live_on,
                         progress=progress,
                         record=record,
+                        per_request=per_request,
                     )
                 )
         except ReplayInterrupted as e:
@@ -975,6 +1052,7 @@ def _dry_runs(
     progress: bool,
     record: Path | None,
     several: bool,
+    per_request: Path | None = None,
 ) -> None:
     """One replay per (block size, cache size); the infinite-cache bound once per block size."""
     from .report import InfiniteCache
@@ -1001,6 +1079,7 @@ def _dry_runs(
                 live=live,
                 progress=progress,
                 record=record,
+                per_request=per_request,
                 infinite=infinite,
                 transient=several,
                 label=label if several else None,
@@ -1063,6 +1142,15 @@ def inspect(
             min=0, help="Step to show (the first is 0). [default: the last]", show_default=False
         ),
     ] = None,
+    request: Annotated[
+        int | None,
+        typer.Option(
+            "--request",
+            min=0,
+            help="Explain one request's prefix-cache lookups block by block (its seq id).",
+            show_default=False,
+        ),
+    ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
@@ -1099,6 +1187,7 @@ def inspect(
     ```
     nanokv inspect run.trace
     nanokv inspect run.trace --step 120 --json
+    nanokv inspect run.trace --request 3        # why request 3 hit or missed, block by block
     nanokv inspect --prompts prompts.jsonl --block-size 16
     ```
     """
@@ -1106,10 +1195,16 @@ def inspect(
         raise typer.BadParameter(
             "give a TRACE file or --prompts FILE (one of them)", param_hint="TRACE"
         )
+    if request is not None and (trace is None or step is not None):
+        raise typer.BadParameter(
+            "--request explains a TRACE; it takes no --step", param_hint="--request"
+        )
     if fmt not in FORMATS:
         raise typer.BadParameter(f"choose from {', '.join(FORMATS)}", param_hint="--format")
     with user_errors(debug):
-        if trace is not None:
+        if request is not None:
+            _inspect_request(trace, request, json_out)
+        elif trace is not None:
             _inspect_trace(trace, step, json_out)
         else:
             _inspect_prompts(prompts, fmt, block_size, model, chat, limit, json_out)
@@ -1138,6 +1233,18 @@ def _inspect_trace(path: Path, step: int | None, json_out: bool) -> None:
         return
     console = stdout_console()
     console.print(render_trace_state(reader.header, state, info, max(20, console.width - 2)))
+
+
+def _inspect_request(path: Path, seq_id: int, json_out: bool) -> None:
+    from .trace import TraceReader, explain_request
+    from .views.inspect import render_request
+
+    reader = TraceReader(path)
+    info = explain_request(reader, seq_id)
+    if json_out:
+        print_json({"trace": str(path), "block_size": reader.block_size, **info})
+        return
+    stdout_console().print(render_request(info, reader.block_size))
 
 
 def _inspect_prompts(

@@ -288,41 +288,64 @@ def read_mooncake_trace(path: Path) -> Iterator[PromptRequest]:
 
 
 def map_prompt_blocks(token_lists: list[list[int]], block_size: int) -> dict[str, Any]:
-    """How prompts would land on KV blocks, and which full blocks they share.
+    """How prompts would land on KV blocks, which full blocks they share, and why each missed.
 
-    Blocks are named by chained hash (as the engine's prefix cache does), so two prompts
-    share a block only when everything up to and including it is equal. ``hit`` marks blocks a
-    cache that never evicts would serve, prompts taken in file order.
+    The prompts run through the engine's own BlockManager one after another, each computed
+    whole and freed before the next, in a cache with room for every block (so it never
+    evicts): ``hit`` marks the blocks that cache serves, and each prompt's miss reason comes
+    from the same code as a model run's. Blocks are named by chained hash, so two prompts
+    share a block only when everything up to and including it is equal.
     """
-    from .report import InfiniteCache
+    from .engine.block_manager import BlockManager
+    from .engine.events import CacheLookup
+    from .engine.sequence import Sequence
+    from .report import lookup_record
 
-    cache = InfiniteCache(block_size)
+    lookups: list[CacheLookup] = []
+    total = sum(-(-len(t) // block_size) for t in token_lists)
+    bm = BlockManager(
+        max(1, total),
+        block_size,
+        on_event=lambda e: lookups.append(e) if type(e) is CacheLookup else None,
+    )
     first_seen: dict[int, int] = {}
     users: dict[int, set[int]] = {}
     prompts = []
     for p, tokens in enumerate(token_lists):
+        seq = Sequence(tokens, block_size=block_size)
+        bm.allocate(seq, bm.can_allocate(seq))
+        num_hit = seq.num_cached_tokens // block_size
+        seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
+        bm.hash_blocks(seq)
+        seq.num_cached_tokens = seq.num_tokens
+        bm.deallocate(seq)
         blocks: list[dict[str, Any]] = []
-        for h, hit in cache.add(tokens):
+        for i in range(len(tokens) // block_size):
+            h = bm._block_hash(seq, i)
             first_seen.setdefault(h, p)
             users.setdefault(h, set()).add(p)
-            blocks.append({"index": len(blocks), "hash": h, "num_tokens": block_size, "hit": hit})
+            blocks.append({"index": i, "hash": h, "num_tokens": block_size, "hit": i < num_hit})
         if len(tokens) % block_size:
             blocks.append(
                 {"index": len(blocks), "hash": None, "num_tokens": len(tokens) % block_size}
             )
-        prompts.append({"index": p, "num_tokens": len(tokens), "blocks": blocks})
+        prompts.append(
+            {"index": p, "num_tokens": len(tokens), **lookup_record(lookups[-1]), "blocks": blocks}
+        )
     for prompt in prompts:
         for block in prompt["blocks"]:
             if block["hash"] is not None:
                 block["first_prompt"] = first_seen[block["hash"]]
                 block["shared_by"] = len(users[block["hash"]])
+    stats = bm.stats
     return {
         "block_size": block_size,
         "prompts": prompts,
         "total_blocks": sum(len(p["blocks"]) for p in prompts),
         "unique_full_blocks": len(users),
         "shared_full_blocks": sum(1 for u in users.values() if len(u) > 1),
-        "prompt_tokens": cache.prompt_tokens,
-        "hit_tokens": cache.hit_tokens,
-        "hit_rate": cache.hit_rate,
+        "prompt_tokens": stats.queries,
+        "hit_tokens": stats.hits,
+        "hit_rate": stats.hit_rate,
+        "miss_tokens": {k: v for k, v in stats.miss_tokens.items() if v},
     }

@@ -1,7 +1,10 @@
 """Summary metrics of a run, gathered from engine events and request outputs.
 
-``hit_rate`` is request-level: prompt tokens served from the prefix cache at each request's
-first admission, over all prompt tokens of finished requests (vLLM's prefix-cache hit rate).
+The prefix-cache numbers are the engine's own counters (``block_manager.CacheStats``) as the
+last step snapshot carried them, under the same names the live view, ``--json``, traces and
+metrics use: ``hit_rate = cache_hits / cache_queries`` over each request's first admission
+(vLLM's ``prefix_cache_hits / prefix_cache_queries``); re-admissions after preemption are
+counted apart (``readmission_*``); ``miss_tokens`` splits every missed token by reason.
 """
 
 from __future__ import annotations
@@ -9,11 +12,19 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .engine.block_manager import BlockManager
-from .engine.events import Event, SequenceAdded, SequenceFinished, StepSnapshot
+from .engine.block_manager import MISS_REASONS, BlockManager
+from .engine.events import (
+    CacheLookup,
+    Event,
+    SequenceAdded,
+    SequenceFinished,
+    SequencePreempted,
+    StepSnapshot,
+)
 from .engine.llm_engine import RequestOutput
 
 
@@ -21,16 +32,22 @@ class RunStats:
     """An event listener that keeps the running totals a report needs.
 
     Token latencies come from each step's ``RequestOutput``s (``observe``): only model runs
-    have meaningful ones, so the dry run skips them.
+    have meaningful ones, so the dry run skips them. With ``on_request``, every finished
+    request is handed over as one record (``request_record``) the moment it finishes.
     """
 
-    def __init__(self, infinite: InfiniteCache | None = None) -> None:
+    def __init__(
+        self,
+        infinite: InfiniteCache | None = None,
+        on_request: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.infinite = infinite  # fed each prompt as it is added (dry-run upper bound)
+        self.on_request = on_request
         self.requests = 0
         self.finished = 0
         self.prompt_tokens = 0
         self.output_tokens = 0
-        self.cached_tokens = 0
+        self.computed_prompt_tokens = 0  # prefill tokens the steps computed (misses + recompute)
         self.peak_used_blocks = 0
         self.last: StepSnapshot | None = None
         self.step_wall_time = 0.0
@@ -38,23 +55,67 @@ class RunStats:
         self.itl: list[float] = []
         self.e2e: list[float] = []
         self._last_token_time: dict[int, float] = {}
+        self._live: dict[int, dict[str, Any]] = {}  # per-request records until they finish
+        self._latency: dict[int, tuple[float, float]] = {}  # seq_id -> (ttft, e2e)
 
     def __call__(self, event: Event) -> None:
         t = type(event)
         if t is StepSnapshot:
             self.last = event
             self.step_wall_time += event.wall_time
+            self.computed_prompt_tokens += event.num_prefill_tokens
             if event.num_used_blocks > self.peak_used_blocks:
                 self.peak_used_blocks = event.num_used_blocks
+        elif t is CacheLookup:
+            if self.on_request is not None:
+                rec = self._live.get(event.seq_id)
+                if rec is not None:
+                    if event.first:
+                        rec.update(lookup_record(event))
+                    else:
+                        rec["readmission_hit_tokens"] += event.num_hit_tokens
         elif t is SequenceFinished:
             self.finished += 1
             self.prompt_tokens += event.num_prompt_tokens
             self.output_tokens += event.num_completion_tokens
-            self.cached_tokens += max(0, event.num_cached_tokens)
+            if self.on_request is not None:
+                rec = self._live.pop(event.seq_id, None)
+                if rec is not None:
+                    ttft, e2e = self._latency.pop(event.seq_id, (None, None))
+                    rec.update(
+                        output_tokens=event.num_completion_tokens,
+                        finish_reason=event.reason,
+                        ttft_s=ttft,
+                        e2e_latency_s=e2e,
+                    )
+                    self.on_request(rec)
+        elif t is SequencePreempted:
+            rec = self._live.get(event.seq_id)
+            if rec is not None:
+                rec["preemptions"] += 1
         elif t is SequenceAdded:
             self.requests += 1
             if self.infinite is not None:
                 self.infinite.add(event.prompt_token_ids)
+            if self.on_request is not None:
+                # Keys in the order a reader wants them; the rest is filled in as it happens.
+                self._live[event.seq_id] = {
+                    "line": None,
+                    "seq_id": event.seq_id,
+                    "prompt_tokens": len(event.prompt_token_ids),
+                    "cached_tokens": 0,
+                    "miss_reason": None,
+                    "miss_block": None,
+                    "preemptions": 0,
+                    "readmission_hit_tokens": 0,
+                    "arrival_time": event.arrival_time,
+                }
+
+    def tag(self, seq_id: int, **fields: Any) -> None:
+        """Attach the caller's fields (e.g. the prompt file's line) to a request's record."""
+        rec = self._live.get(seq_id)
+        if rec is not None:
+            rec.update(fields)
 
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         """Record token latencies from one step's outputs (``now``: the engine clock)."""
@@ -68,11 +129,13 @@ class RunStats:
             if out.finished:
                 last.pop(out.seq_id, None)
                 self.e2e.append(now - out.arrival_time)
+                if self.on_request is not None:
+                    ttft = out.first_token_time - out.arrival_time
+                    self._latency[out.seq_id] = (ttft, now - out.arrival_time)
             else:
                 last[out.seq_id] = now
 
     def report(self, *, duration: float, wall_time: float, **config: Any) -> dict[str, Any]:
-        s = self.last
         total_tokens = self.prompt_tokens + self.output_tokens
         report: dict[str, Any] = {
             **config,
@@ -80,16 +143,10 @@ class RunStats:
             "requests_added": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
-            "cached_tokens": self.cached_tokens,
-            "hit_rate": _ratio(self.cached_tokens, self.prompt_tokens),
-            # Token lookups of every admission, re-admissions after preemption included.
-            "cache_queries": s.queries if s else 0,
-            "shared_hit_tokens": s.shared_hits if s else 0,
-            "revived_hit_tokens": s.revived_hits if s else 0,
-            "evictions": s.evictions if s else 0,
-            "preemptions": s.preemptions if s else 0,
+            **cache_numbers(self.last),
+            "computed_prompt_tokens": self.computed_prompt_tokens,
             "peak_used_blocks": self.peak_used_blocks,
-            "steps": s.step if s else 0,
+            "steps": self.last.step + 1 if self.last else 0,
             "duration_s": duration,
             "wall_time_s": wall_time,
             "request_throughput": _ratio(self.finished, duration),
@@ -103,6 +160,80 @@ class RunStats:
             report["itl_s"] = percentiles(self.itl)
             report["e2e_latency_s"] = percentiles(self.e2e)
         return report
+
+
+def cache_numbers(snapshot: StepSnapshot | None) -> dict[str, Any]:
+    """The prefix-cache counters of a step snapshot, under the names every view prints."""
+    s = snapshot
+    if s is None:
+        return {
+            "hit_rate": 0.0,
+            "cache_queries": 0,
+            "cache_hits": 0,
+            "shared_hit_tokens": 0,
+            "revived_hit_tokens": 0,
+            "readmission_queries": 0,
+            "readmission_hits": 0,
+            "miss_tokens": dict.fromkeys(MISS_REASONS, 0),
+            "evictions": 0,
+            "preemptions": 0,
+        }
+    return {
+        "hit_rate": _ratio(s.hits, s.queries),
+        "cache_queries": s.queries,
+        "cache_hits": s.hits,
+        "shared_hit_tokens": s.shared_hits,
+        "revived_hit_tokens": s.revived_hits,
+        "readmission_queries": s.readmission_queries,
+        "readmission_hits": s.readmission_hits,
+        "miss_tokens": {r: s.miss_tokens.get(r, 0) for r in MISS_REASONS},
+        "evictions": s.evictions,
+        "preemptions": s.preemptions,
+    }
+
+
+def lookup_record(event: CacheLookup) -> dict[str, Any]:
+    """One lookup's result and miss explanation, as ``--per-request`` and ``inspect`` give it."""
+    rec: dict[str, Any] = {
+        "cached_tokens": event.num_hit_tokens,
+        "miss_reason": event.reason,
+        "miss_block": event.miss_block,
+    }
+    if event.reason == "evicted":
+        rec["evicted_at_step"] = event.evicted_at_step
+    elif event.reason == "partial":
+        rec["partial_tokens"] = event.partial_tokens
+    return rec
+
+
+def miss_label(rec: dict[str, Any], block_size: int) -> str:
+    """A lookup record's miss reason in a few words, for table cells."""
+    reason = rec["miss_reason"]
+    if reason == "partial":
+        return f"partial {rec.get('partial_tokens')}/{block_size} @{rec['miss_block']}"
+    if reason == "evicted":
+        return f"evicted @{rec['miss_block']} (step {rec.get('evicted_at_step')})"
+    if reason in ("disabled", "preempted"):
+        return reason
+    return f"{reason} @{rec['miss_block']}"
+
+
+def explain_miss(rec: dict[str, Any], block_size: int) -> str:
+    """A sentence for a lookup record: why its first missed block missed."""
+    reason, b = rec["miss_reason"], rec["miss_block"]
+    where = f"block {b}"
+    return {
+        "disabled": "prefix caching is off",
+        "preempted": "recomputed after a preemption",
+        "last-block": f"{where} holds the prompt's last token, which is always computed",
+        "in-flight": f"{where} was being computed by another sequence in the same step",
+        "evicted": f"{where} was cached but evicted at step {rec.get('evicted_at_step')}",
+        "partial": (
+            f"{where}: {rec.get('partial_tokens')} tokens shared with an earlier prompt "
+            f"< block size {block_size}"
+        ),
+        "cold": f"{where}: no earlier prompt computed this prefix",
+    }[reason]
 
 
 def _ratio(a: float, b: float) -> float:

@@ -18,8 +18,13 @@ from typing import IO, Any
 from . import __version__
 from .engine.events import (
     EVENT_TYPES,
+    BlockAllocated,
+    BlockHit,
+    BlockRemoved,
+    CacheLookup,
     CacheState,
     Event,
+    SequenceAdded,
     StepSnapshot,
     event_from_dict,
     event_to_dict,
@@ -180,6 +185,67 @@ class TraceReader:
         return state
 
 
+def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
+    """Every prefix-cache lookup of request ``seq_id`` in a trace, block by block.
+
+    Each lookup (its first admission, then any re-admission after preemption) lists its
+    blocks: hits (shared, with the sequences holding the block then, or revived) and misses,
+    with the lookup's reason for its first missed block.
+    """
+    from .report import explain_miss, lookup_record
+
+    state = CacheState(reader.num_blocks)
+    lookups: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    prompt: list[int] | None = None
+    seen_lookup = False
+    step = 0
+    bs = reader.block_size
+    for event in reader.events():
+        t = type(event)
+        if t is CacheLookup:
+            seen_lookup = True
+            current = None
+            if event.seq_id == seq_id:
+                rec = lookup_record(event)
+                current = {
+                    "step": step,
+                    "first_admission": event.first,
+                    "num_tokens": event.num_tokens,
+                    **rec,
+                    "explanation": explain_miss(rec, bs),
+                    "blocks": [],
+                }
+                lookups.append(current)
+        elif current is not None and getattr(event, "seq_id", None) == seq_id:
+            if t is BlockHit:
+                holders = [
+                    s for s, table in state.block_tables.items() if event.block_id in table
+                ]
+                current["blocks"].append(
+                    {"block_id": event.block_id, "hit": event.kind, "held_by": sorted(holders)}
+                )
+            elif t is BlockAllocated:
+                current["blocks"].append({"block_id": event.block_id, "hit": None})
+            else:
+                current = None
+        elif t is not BlockRemoved:
+            current = None  # the lookup's blocks have all been handed out
+        if t is SequenceAdded and event.seq_id == seq_id:
+            prompt = event.prompt_token_ids
+        state.apply(event)
+        if t is StepSnapshot:
+            step = event.step + 1
+    if not seen_lookup:
+        raise TraceError(
+            f"{reader.path}: this trace has no cache-lookup records (an older nanokv wrote it); "
+            "record it again to explain misses"
+        )
+    if prompt is None:
+        raise TraceError(f"{reader.path}: no request {seq_id} in this trace")
+    return {"seq_id": seq_id, "num_prompt_tokens": len(prompt), "lookups": lookups}
+
+
 def describe_state(
     state: CacheState, block_size: int, decode: Callable[[list[int]], str] | None = None
 ) -> dict[str, Any]:
@@ -218,9 +284,12 @@ def describe_state(
         )
     live = set(state.block_tables)
     snap = state.last_snapshot
+    from .report import cache_numbers
+
     return {
         "step": snap.step if snap else None,
         "snapshot": event_to_dict(snap) if snap else None,
+        "cache": cache_numbers(snap),
         "counts": counts,
         "sequences": [
             {

@@ -10,21 +10,30 @@
     python scripts/bench_accounting.py                 # everything
     python scripts/bench_accounting.py --limit 2000    # a slice of the trace
     python scripts/bench_accounting.py --skip-trace    # decode step only
+    python scripts/bench_accounting.py --against HEAD~1 --limit 4000   # vs another commit
+
+With ``--against REV`` every measurement also runs on that revision's engine (checked out into a
+temporary git worktree, same script, same process layout), alternating the two, and the ratio
+is printed per row: a change to the accounting is judged against its parent in one invocation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[1]
+# The engine measured: this checkout, or (--against) another revision's tree.
+ROOT = Path(os.environ.get("NANOKV_BENCH_ROOT", HERE))
 sys.path.insert(0, str(ROOT))
 
 from nanokv_cli.engine.block_manager import BlockManager  # noqa: E402
@@ -36,7 +45,7 @@ from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
 from nanokv_cli.engine.scheduler import Scheduler  # noqa: E402
 from nanokv_cli.engine.sequence import Sequence  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = HERE.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def decode_step_us(num_seqs: int, steps: int, events: bool) -> float:
@@ -196,6 +205,40 @@ def infinite_cache_hit_rate(limit: int | None) -> float:
     return hits / total
 
 
+def measure(job: str, limit: int | None, root: Path | None) -> dict:
+    """One measurement in a fresh process (its own peak RSS), on ``root``'s engine if given."""
+    cmd = [sys.executable, __file__, "--one", job]
+    if limit:
+        cmd += ["--limit", str(limit)]
+    env = dict(os.environ)
+    if root is not None:
+        env["NANOKV_BENCH_ROOT"] = str(root)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+    return json.loads(out)
+
+
+def run_one(job: str, args) -> dict:
+    kind, _, spec = job.partition(":")
+    if kind == "decode":
+        n = args.num_seqs
+        return {
+            "floor_us": bare_loop_us(n, args.steps),
+            "seed_us": seed_style_us(n, args.steps),
+            "off_us": decode_step_us(n, args.steps, events=False),
+            "on_us": decode_step_us(n, args.steps, events=True),
+        }
+    blocks, at_once = spec.split("/")
+    return run_trace(int(blocks), at_once == "1", args.limit)
+
+
+def worktree(rev: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="nanokv-bench-")) / "tree"
+    subprocess.run(
+        ["git", "-C", str(HERE), "worktree", "add", "--detach", "-q", str(path), rev], check=True
+    )
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -205,22 +248,60 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N trace requests")
     ap.add_argument("--num-blocks", default="2000,8000,32000")
     ap.add_argument("--skip-trace", action="store_true")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one trace config, print JSON
+    ap.add_argument("--against", metavar="REV", help="also measure this git revision, alternating")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each measurement (alternating); the fastest counts",
+    )
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one measurement, print JSON
     args = ap.parse_args()
     if args.one:
-        blocks, at_once = args.one.split(":")
-        print(json.dumps(run_trace(int(blocks), at_once == "1", args.limit)))
+        print(json.dumps(run_one(args.one, args)))
         return
 
-    floor = bare_loop_us(args.num_seqs, args.steps)
-    seed = seed_style_us(args.num_seqs, args.steps)
-    off = decode_step_us(args.num_seqs, args.steps, events=False)
-    on = decode_step_us(args.num_seqs, args.steps, events=True)
+    base = worktree(args.against) if args.against else None
+    try:
+        report(args, base)
+    finally:
+        if base is not None:
+            subprocess.run(
+                ["git", "-C", str(HERE), "worktree", "remove", "--force", str(base)], check=False
+            )
+
+
+def report(args, base: Path | None) -> None:
+    def fastest(runs: list[dict]) -> dict:
+        key = "wall_s" if "wall_s" in runs[0] else "on_us"
+        best = min(runs, key=lambda r: r[key])
+        if key == "on_us":  # decode rows: each figure's own fastest
+            best = {k: min(r[k] for r in runs) for k in runs[0]}
+        return best
+
+    def both(job: str) -> tuple[dict, dict | None]:
+        news, olds = [], []
+        for _ in range(args.repeat):
+            if base is not None:
+                olds.append(measure(job, args.limit, base))
+            news.append(measure(job, args.limit, None))
+        return fastest(news), fastest(olds) if olds else None
+
+    new, old = both("decode:")
     print(f"decode step, {args.num_seqs} running sequences (scheduler + block manager):")
-    print(f"  bare deque loop (floor)        {floor:7.1f} us")
-    print(f"  seed/nano-vllm-style baseline  {seed:7.1f} us")
-    print(f"  nanokv, events off             {off:7.1f} us   {off / seed:.2f}x baseline")
-    print(f"  nanokv, events on              {on:7.1f} us   {on / seed:.2f}x baseline")
+    rows = [
+        ("bare deque loop (floor)", "floor_us"),
+        ("seed/nano-vllm-style baseline", "seed_us"),
+        ("nanokv, events off", "off_us"),
+        ("nanokv, events on", "on_us"),
+    ]
+    for label, key in rows:
+        line = f"  {label:<30} {new[key]:7.1f} us"
+        if key in ("off_us", "on_us"):
+            line += f"   {new[key] / new['seed_us']:.2f}x baseline"
+        if old is not None:
+            line += f"   {args.against}: {old[key]:7.1f} us = {new[key] / old[key]:.2f}x"
+        print(line)
     if args.skip_trace:
         return
     if not TRACE.exists():
@@ -241,14 +322,17 @@ def main() -> None:
         "virtual_s",
         "peak_rss_mb",
     ]
-    print("  " + "  ".join(f"{c:>12}" for c in cols))
+    header = "  " + "  ".join(f"{c:>12}" for c in cols)
+    if base is not None:
+        header += f"  {'base wall_s':>12}  {'ratio':>6}"
+    print(header)
     for at_once in (True, False):
         for blocks in args.num_blocks.split(","):
-            cmd = [sys.executable, __file__, "--one", f"{blocks}:{int(at_once)}"]
-            if args.limit:
-                cmd += ["--limit", str(args.limit)]
-            row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            print("  " + "  ".join(f"{row[c]!s:>12}" for c in cols), flush=True)
+            row, old = both(f"trace:{blocks}/{int(at_once)}")
+            line = "  " + "  ".join(f"{row[c]!s:>12}" for c in cols)
+            if old is not None:
+                line += f"  {old['wall_s']:>12}  {row['wall_s'] / old['wall_s']:>5.2f}x"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

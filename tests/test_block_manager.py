@@ -12,6 +12,7 @@ from nanokv_cli.engine.events import (
     BlockHit,
     BlockRemoved,
     BlockStored,
+    CacheLookup,
     CacheState,
 )
 from nanokv_cli.engine.sampling_params import SamplingParams
@@ -225,7 +226,10 @@ def test_preempted_sequence_hits_its_own_freed_blocks():
     bm.deallocate(seq)  # preemption by recompute
     hits = admit(bm, seq)
     assert hits == 3 and seq.block_table[:3] == old_table[:3]
-    assert bm.stats.revived_hits == 12
+    # A re-admission's hits are counted apart: they never inflate the headline hit rate.
+    assert bm.stats.readmission_revived_hits == 12 and bm.stats.revived_hits == 0
+    assert bm.stats.readmission_queries == 13 and bm.stats.queries == 10
+    assert bm.stats.miss_tokens["preempted"] == 1
 
 
 def test_same_new_prefix_admitted_together_gets_separate_blocks_then_a_later_hit():
@@ -328,7 +332,7 @@ def test_events_replay_into_the_same_books():
     c = seq_of(range(40, 52), block_size=2)  # all 6 blocks: evicts the hashed prefix
     admit(bm, c)
     kinds = [type(e) for e in events]
-    assert kinds[:3] == [BlockAllocated] * 3
+    assert kinds[:4] == [CacheLookup] + [BlockAllocated] * 3
     assert BlockStored in kinds and BlockHit in kinds and BlockFreed in kinds
     assert BlockRemoved in kinds  # c needed a block that still held a hash
     state = CacheState(6)

@@ -68,7 +68,7 @@ def prompts_jsonl(tmp_path) -> Path:
 def check_report(report: dict, requests: int) -> None:
     assert report["requests"] == requests
     assert report["prompt_tokens"] > 0 and report["output_tokens"] > 0
-    assert report["hit_rate"] == pytest.approx(report["cached_tokens"] / report["prompt_tokens"])
+    assert report["hit_rate"] == pytest.approx(report["cache_hits"] / report["cache_queries"])
     for key in (
         "evictions",
         "preemptions",
@@ -107,7 +107,7 @@ def test_dry_run_jsonl_all_record_kinds(prompts_jsonl, tokenizer_dir):
     )
     check_report(report, 4)
     assert report["dry_run"] and report["format"] == "jsonl" and report["block_size"] == 8
-    assert report["cached_tokens"] > 0  # the second prompt shares the first's long system text
+    assert report["cache_hits"] > 0  # the second prompt shares the first's long system text
     assert report["infinite_cache_hit_rate"] >= report["hit_rate"]
     assert report["model"] == str(tokenizer_dir.resolve())
 
@@ -190,7 +190,7 @@ def test_dry_run_comparison_json_lists_every_configuration():
     for r in reports:
         assert r["hit_rate"] <= r["infinite_cache_hit_rate"] + 1e-9
     # Same block size, more blocks: never fewer hits on this trace slice.
-    assert reports[1]["cached_tokens"] >= reports[0]["cached_tokens"]
+    assert reports[1]["cache_hits"] >= reports[0]["cache_hits"]
 
 
 def test_dry_run_comparison_terminal_table_and_chart(tmp_path):
@@ -240,7 +240,7 @@ def test_no_prefix_cache_means_no_hits(prompts_jsonl, tokenizer_dir):
         "--block-size",
         "8",
     )
-    assert report["cached_tokens"] == 0 and report["prefix_caching"] is False
+    assert report["cache_hits"] == 0 and report["prefix_caching"] is False
 
 
 def test_dry_run_imports_no_torch(tmp_path):
@@ -490,3 +490,74 @@ def test_report_is_written_atomically_next_to_the_target(tmp_path, prompts_jsonl
     ok("replay", prompts_jsonl, "--dry-run", "--model", tokenizer_dir, "--report", target)
     assert json.loads(target.read_text())["requests"] == 4
     assert [p.name for p in target.parent.iterdir()] == ["report.json"]  # no temp file left
+
+
+# -- why a request hit or missed -------------------------------------------------------------
+
+
+def test_summary_json_and_report_agree_and_explain_every_miss(
+    tmp_path, prompts_jsonl, tokenizer_dir
+):
+    args = ["replay", prompts_jsonl, "--dry-run", "--model", tokenizer_dir, "--block-size", "8"]
+    report_path, per_request = tmp_path / "r.json", tmp_path / "requests.jsonl"
+    as_json = json_of(*args, "--report", report_path, "--per-request", per_request)
+    report = json.loads(report_path.read_text())
+    for key in ("hit_rate", "cache_queries", "cache_hits", "miss_tokens", "evictions"):
+        assert report[key] == as_json[key]
+    assert report["cache_hits"] == report["shared_hit_tokens"] + report["revived_hit_tokens"]
+    assert sum(report["miss_tokens"].values()) == report["cache_queries"] - report["cache_hits"]
+    lines = [json.loads(x) for x in per_request.read_text().splitlines()]
+    assert sorted(r["line"] for r in lines) == [1, 2, 3, 4]
+    assert sum(r["cached_tokens"] for r in lines) == report["cache_hits"]
+    assert sum(r["prompt_tokens"] for r in lines) == report["cache_queries"]
+    assert all(r["miss_reason"] in report["miss_tokens"] for r in lines)
+    summary = ok(*args).stdout
+    assert f"{report['hit_rate']:.1%}" in summary
+    assert f"{report['cache_hits']:,} of {report['cache_queries']:,} prompt tokens" in summary
+    for reason, n in report["miss_tokens"].items():
+        if n:
+            assert any(line.split()[:2] == [reason, f"{n:,}"] for line in summary.splitlines())
+
+
+def test_inspect_request_explains_hits_and_the_miss(recorded):
+    reader = TraceReader(recorded)
+    later = [e.seq_id for e in reader.events() if type(e).__name__ == "SequenceAdded"][1]
+    info = json_of("inspect", recorded, "--request", str(later))
+    look = info["lookups"][0]
+    assert look["first_admission"] and all(not x["first_admission"] for x in info["lookups"][1:])
+    hits = [b for b in look["blocks"] if b["hit"]]
+    assert hits and look["cached_tokens"] == 8 * len(hits)
+    assert all(b["hit"] in ("shared", "revived") for b in hits)
+    assert look["miss_reason"] in ("partial", "last-block", "cold")
+    assert look["miss_block"] == len(hits)
+    out = ok("inspect", recorded, "--request", str(later)).stdout
+    assert f"request {later}" in out and f"miss: {look['miss_reason']}" in out
+
+
+def test_inspect_prompts_gives_each_prompt_its_miss_reason(tmp_path, tokenizer_dir):
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"prompt_token_ids": t}) for t in ([1, 2, 3, 4, 5], [1, 2, 3, 9, 9]))
+    )
+    info = json_of("inspect", "--prompts", path, "--block-size", "4")
+    first, second = info["prompts"]
+    assert first["miss_reason"] == "cold"
+    assert (second["miss_reason"], second["partial_tokens"]) == ("partial", 3)
+    assert info["miss_tokens"] == {"partial": 5, "cold": 5}
+
+
+def test_bad_request_id_per_request_path_and_old_traces(recorded, tmp_path, prompts_jsonl):
+    assert "no request 99999" in fails(1, "inspect", recorded, "--request", "99999")
+    err = fails(
+        1, "replay", prompts_jsonl, "--dry-run", "--per-request", tmp_path / "no" / "r.jsonl"
+    )
+    assert err.startswith("nanokv: error: cannot write --per-request") and err.count("\n") == 1
+    old = tmp_path / "old.trace"
+    old.write_text(
+        "\n".join(
+            line for line in recorded.read_text().splitlines() if '"type":"CacheLookup"' not in line
+        )
+        + "\n"
+    )
+    err = fails(1, "inspect", old, "--request", "1")
+    assert "no cache-lookup records" in err and err.count("\n") == 1

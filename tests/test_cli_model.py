@@ -111,7 +111,7 @@ def test_replay_with_a_model_reports_latencies_and_records_text(tiny, tmp_path):
     for key in ("ttft_s", "itl_s", "e2e_latency_s"):
         assert set(report[key]) == {"mean", "p50", "p90", "p99"}
     assert report["ttft_s"]["p50"] > 0
-    assert report["cached_tokens"] > 0  # the second request arrives after the first is computed
+    assert report["cache_hits"] > 0  # the second request arrives after the first is computed
     info = json.loads(ok("inspect", trace, "--json").stdout)
     texts = "".join(b["text"] or "" for b in info["blocks"])
     assert "A prefix cache" in texts

@@ -17,6 +17,7 @@ from nanokv_cli.engine.config import UnsupportedModelError
 from nanokv_cli.engine.events import BlockHit, SequencePreempted
 from nanokv_cli.engine.loader import ModelLoadError
 from nanokv_cli.engine.scheduler import RequestRejected
+from nanokv_cli.report import InfiniteCache, RunStats
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -76,10 +77,31 @@ def test_greedy_tokens_equal_transformers(root, arch, config):
         assert out["token_ids"] == hf_greedy(path, tuple(prompt), GREEDY.max_tokens)
     if config == "preempting":
         assert any(isinstance(e, SequencePreempted) for e in events)
-    if config == "chunked":
-        # Admitted after the first prompt's prefix was computed: they share its blocks.
-        # (Prompts admitted in one step cannot: nothing is computed yet.)
+    if config in ("block16", "block1", "chunked"):
+        # Sent together, the later prompts wait for the first one's shared prefix blocks to be
+        # computed (in-batch prefix sharing) and then hit them.
         assert any(isinstance(e, BlockHit) for e in events)
+
+
+def test_a_shared_system_prompt_sent_at_once_is_computed_once(root):
+    """The batch reaches the infinite-cache bound, computes only its misses, and generates
+    what each prompt generates alone (and what transformers generates)."""
+    path = model_dir("llama", root)
+    prompts = prompts_with_shared_prefix(n=6, prefix_len=40)
+    bound = InfiniteCache(8)
+    for p in prompts:
+        bound.add(p)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=8, num_blocks=128)
+    stats = RunStats()
+    llm.engine.events.subscribe(stats)
+    together = llm.generate(prompts, GREEDY)
+    report = stats.report(duration=1.0, wall_time=1.0)
+    assert report["hit_rate"] >= 0.95 * bound.hit_rate > 0
+    assert report["computed_prompt_tokens"] == report["cache_queries"] - report["cache_hits"]
+    alone = LLM(path, dtype="float32", device="cpu", block_size=8, num_blocks=128)
+    for prompt, out in zip(prompts, together):
+        assert out["token_ids"] == alone.generate([prompt], GREEDY)[0]["token_ids"]
+        assert out["token_ids"] == hf_greedy(path, tuple(prompt), GREEDY.max_tokens)
 
 
 def test_second_round_hits_the_prefix_cache_and_stays_exact(root):

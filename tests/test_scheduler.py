@@ -95,7 +95,7 @@ def test_decode_preempts_the_most_recently_admitted_and_it_rehits_its_blocks():
         run_step(sched)
     run_step(sched)  # b comes back and hits the blocks it computed before
     # a took one of the two blocks b freed (its tail, evicted first); b revives the other.
-    assert b.num_prefix_hit_tokens == 0 and bm.stats.revived_hits == 4
+    assert b.num_prefix_hit_tokens == 0 and bm.stats.readmission_revived_hits == 4
     while not sched.is_finished():
         run_step(sched)
     assert b.num_completion_tokens == 8

@@ -155,11 +155,15 @@ REPORT = {
     "requests_added": 10,
     "prompt_tokens": 1000,
     "output_tokens": 200,
-    "cached_tokens": 250,
+    "cache_hits": 250,
     "hit_rate": 0.25,
-    "cache_queries": 1100,
+    "cache_queries": 1000,
     "shared_hit_tokens": 150,
     "revived_hit_tokens": 100,
+    "readmission_queries": 100,
+    "readmission_hits": 40,
+    "miss_tokens": {"preempted": 60, "last-block": 50, "partial": 200, "cold": 500},
+    "computed_prompt_tokens": 810,
     "evictions": 7,
     "preemptions": 2,
     "peak_used_blocks": 40,
@@ -178,8 +182,12 @@ def test_summary_table_shows_every_headline_number():
     out = text_of(summary_table(REPORT))
     for needle in (
         "25.0%",
-        "250 prompt tokens",
+        "250 of 1,000 prompt tokens",
         "60% / 40%",
+        "missed tokens",
+        "810",
+        "re-admissions",
+        "40.0%",
         "evictions",
         "7",
         "40",
@@ -190,6 +198,9 @@ def test_summary_table_shows_every_headline_number():
         "10.0 ms",
     ):
         assert needle in out, needle
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines() if line.strip()}
+    assert rows["preempted"] == ["60", "7%"] and rows["cold"] == ["500", "62%"]
+    assert rows["last-block"] == ["50", "6%"] and rows["partial"] == ["200", "25%"]
 
 
 def test_comparison_table_and_chart_mark_the_bound():

@@ -12,7 +12,7 @@ import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -24,8 +24,10 @@ from .events import (
     BlockHit,
     BlockRemoved,
     BlockStored,
+    CacheLookup,
     EventListener,
 )
+from .miss_reasons import MissExplainer
 from .sequence import Sequence
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -89,19 +91,39 @@ class FreeBlockQueue:
         del self._queue[block_id]
 
 
+# Why a prompt lookup missed, in the order the reasons are tested (the first that applies).
+MISS_REASONS = ("disabled", "preempted", "last-block", "in-flight", "evicted", "partial", "cold")
+
+
 @dataclass
 class CacheStats:
-    """Prefix-cache statistics, counted in tokens like vLLM (blocks x block_size)."""
+    """Prefix-cache statistics, counted in tokens like vLLM (blocks x block_size).
 
-    queries: int = 0  # prompt tokens looked up at admission
-    shared_hits: int = 0  # tokens served by blocks other sequences were using
-    revived_hits: int = 0  # tokens served by free blocks that still held their hash
-    evictions: int = 0  # hashed blocks reused for new data (their mapping deleted)
+    ``queries``/``hits`` count each request's *first* admission only: that is the hit rate
+    everywhere nanokv prints one (vLLM's ``prefix_cache_hits / prefix_cache_queries``). A
+    sequence preempted and admitted again looks its tokens up again; those lookups go to the
+    ``readmission_*`` counters, so recomputation never inflates the headline.
+    ``miss_tokens`` splits every missed token, first admissions and re-admissions alike, by
+    reason (``MISS_REASONS``): ``sum(miss_tokens.values()) == misses + readmission_misses``.
+    """
+
+    queries: int = 0  # prompt tokens looked up at first admission
+    shared_hits: int = 0  # ...served by blocks other sequences were using
+    revived_hits: int = 0  # ...served by free blocks that still held their hash
+    readmission_queries: int = 0  # tokens looked up again after a preemption
+    readmission_shared_hits: int = 0
+    readmission_revived_hits: int = 0
+    evictions: int = 0  # cached blocks reused for new data (their hash left the cache)
     preemptions: int = 0
+    miss_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
     @property
     def hits(self) -> int:
         return self.shared_hits + self.revived_hits
+
+    @property
+    def readmission_hits(self) -> int:
+        return self.readmission_shared_hits + self.readmission_revived_hits
 
     @property
     def hit_rate(self) -> float:
@@ -130,6 +152,9 @@ class BlockManager:
         self.num_cached_free_blocks = 0  # free blocks still holding a hash (reusable until evicted)
         # Called with every event; None (or an empty EventBus) costs one truth test per change.
         self.on_event = on_event
+        # The engine's step number, for the record of when a hash was evicted.
+        self.step = 0
+        self._explainer = MissExplainer(block_size, num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -184,9 +209,34 @@ class BlockManager:
         needed = seq.num_blocks - len(hit_ids) + revived
         return len(hit_ids) if needed <= len(self.free_block_ids) else -1
 
+    def is_in_flight(self, seq: Sequence, num_cached_blocks: int) -> bool:
+        """Whether the first block of ``seq`` past its cached prefix is being computed by
+        another sequence right now, so that waiting a step or two turns it into a hit."""
+        i = num_cached_blocks
+        if i >= (len(seq) - 1) // self.block_size or not self.enable_prefix_caching:
+            return False
+        return self._explainer.is_pending(self._block_hash(seq, i))
+
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         emit = self.on_event
+        bs = self.block_size
+        first = seq.num_prefix_hit_tokens < 0
+        reason, evicted_at, partial = self._explainer.explain(self, seq, num_cached_blocks, first)
+        if emit:
+            emit(
+                CacheLookup(
+                    seq.seq_id,
+                    seq.num_tokens,
+                    num_cached_blocks * bs,
+                    first,
+                    reason,
+                    num_cached_blocks,
+                    evicted_at,
+                    partial,
+                )
+            )
+        shared = revived = 0
         for i in range(num_cached_blocks):
             block_id = self._lookup(seq, i)
             assert block_id != -1, (
@@ -196,32 +246,44 @@ class BlockManager:
             if block.ref_count:
                 block.ref_count += 1
                 kind = "shared"
-                self.stats.shared_hits += self.block_size
+                shared += bs
             else:
                 self.free_block_ids.remove(block_id)
                 self.num_cached_free_blocks -= 1
                 self.used_block_ids.add(block_id)
                 block.ref_count = 1
                 kind = "revived"
-                self.stats.revived_hits += self.block_size
+                revived += bs
             seq.block_table.append(block_id)
             if emit:
                 emit(BlockHit(seq.seq_id, block_id, block.hash, kind))
         for _ in range(num_cached_blocks, seq.num_blocks):
             self._allocate_free_block(seq)
+        stats = self.stats
+        if first:
+            stats.queries += seq.num_tokens
+            stats.shared_hits += shared
+            stats.revived_hits += revived
+            seq.num_prefix_hit_tokens = shared + revived
+        else:
+            stats.readmission_queries += seq.num_tokens
+            stats.readmission_shared_hits += shared
+            stats.readmission_revived_hits += revived
+        stats.miss_tokens[reason] += seq.num_tokens - shared - revived
+        seq.num_cached_tokens = num_cached_blocks * bs
         if self.enable_prefix_caching:
-            self.stats.queries += seq.num_tokens
-        seq.num_cached_tokens = num_cached_blocks * self.block_size
+            self._explainer.admitted(self, seq, num_cached_blocks)
 
     def _allocate_free_block(self, seq: Sequence) -> None:
         block_id = self.free_block_ids.popleft()
         block = self.blocks[block_id]
         if block.hash != -1:
-            # Eviction: the LRU cached block is overwritten, so its hash must stop resolving.
-            if self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
+            # Eviction: the LRU cached block is overwritten, so its hash stops resolving. (Every
+            # hashed free block resolves: duplicates are never registered, see hash_blocks.)
+            del self.hash_to_block_id[block.hash]
             self.stats.evictions += 1
             self.num_cached_free_blocks -= 1
+            self._explainer.evicted(block.hash, self.step)
             if self.on_event:
                 self.on_event(BlockRemoved(block_id, block.hash))
         block.reset()
@@ -232,6 +294,8 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         emit = self.on_event
+        if self.enable_prefix_caching:
+            self._explainer.released(seq)
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -265,20 +329,26 @@ class BlockManager:
         bs = self.block_size
         start = seq.num_cached_tokens // bs
         end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // bs
+        explainer = self._explainer
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             if block.hash != -1:
                 continue  # a prefix hit, registered by whoever computed it
             h = self._block_hash(seq, i)
+            if h in self.hash_to_block_id:
+                # A duplicate: this content is cached in another block already (a prompt's
+                # always-computed last block, or an answer another sequence also generated).
+                # The first copy keeps serving the hash; this one stays unregistered, so every
+                # hashed block resolves and an eviction always means the content is gone.
+                continue
             token_ids = seq.block(i)
             block.update(h, token_ids)
-            # Two sequences that computed the same new block in one step each hold a copy; the
-            # later registration wins, and either copy is a valid target for the hash.
             self.hash_to_block_id[h] = block.block_id
+            parent = seq.block_hashes[i - 1] if i else -1
+            explainer.stored(block.block_id, h, parent, token_ids[0])
             if self.on_event:
-                self.on_event(
-                    BlockStored(block.block_id, h, seq.block_hashes[i - 1] if i else -1, token_ids)
-                )
+                self.on_event(BlockStored(block.block_id, h, parent, token_ids))
+        explainer.progressed(self, seq, start, end)
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (e.g. after weights change)."""
@@ -287,6 +357,7 @@ class BlockManager:
             block.token_ids = []
         self.hash_to_block_id.clear()
         self.num_cached_free_blocks = 0
+        self._explainer.cleared()
         if self.on_event:
             self.on_event(AllBlocksCleared())
 
@@ -306,6 +377,14 @@ class BlockManager:
             assert self.blocks[b].hash == h, (
                 f"hash {h} maps to block {b} holding {self.blocks[b].hash}"
             )
+        hashed = sum(1 for b in self.blocks if b.hash != -1)
+        assert hashed == len(self.hash_to_block_id), "a hashed block the prefix cache cannot reach"
+        s = self.stats
+        assert s.hits <= s.queries and s.readmission_hits <= s.readmission_queries, s
+        misses = s.queries - s.hits + s.readmission_queries - s.readmission_hits
+        assert sum(s.miss_tokens.values()) == misses, "miss reasons do not sum to the misses"
+        if self.enable_prefix_caching:
+            assert s.miss_tokens["preempted"] == s.readmission_queries - s.readmission_hits, s
         if live_seqs is not None:
             counts = [0] * n
             for seq in live_seqs:

@@ -25,6 +25,23 @@ class SequenceAdded:
 
 
 @dataclass(slots=True)
+class CacheLookup:
+    """A sequence was admitted: ``num_tokens`` looked up, ``num_hit_tokens`` served from the
+    prefix cache, and why the rest missed (``reason``: one of ``block_manager.MISS_REASONS``,
+    for logical block ``miss_block`` and every block after it). ``first`` is False for a
+    re-admission after preemption, whose lookups stay out of the headline hit rate."""
+
+    seq_id: int
+    num_tokens: int
+    num_hit_tokens: int
+    first: bool
+    reason: str
+    miss_block: int
+    evicted_at_step: int = -1  # ``evicted``: the step the block's hash left the cache
+    partial_tokens: int = 0  # ``partial``: tokens of the block shared with an earlier prompt
+
+
+@dataclass(slots=True)
 class BlockAllocated:
     """A cache miss: ``block_id`` was taken from the head of the free queue for ``seq_id``."""
 
@@ -87,7 +104,7 @@ class SequenceFinished:
     reason: Literal["stop", "length"]
     num_prompt_tokens: int
     num_completion_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache at (last) admission
+    num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
 
 
 @dataclass(slots=True)
@@ -103,17 +120,22 @@ class StepSnapshot:
     num_decode_tokens: int
     wall_time: float  # seconds spent in this step
     clock: float  # engine clock at the end of the step (wall or virtual seconds)
-    queries: int  # cumulative prompt tokens looked up in the prefix cache
-    hits: int  # cumulative tokens served from the cache (shared + revived)
+    # Cumulative prefix-cache counters, named and defined as in block_manager.CacheStats:
+    queries: int  # prompt tokens looked up at first admission
+    hits: int  # ...served from the cache (shared + revived)
     shared_hits: int
     revived_hits: int
     evictions: int
     preemptions: int
     scheduled: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, num_tokens)
+    readmission_queries: int = 0  # tokens looked up again after preemption
+    readmission_hits: int = 0
+    miss_tokens: dict[str, int] = field(default_factory=dict)  # missed tokens by reason
 
 
 Event = (
     SequenceAdded
+    | CacheLookup
     | BlockAllocated
     | BlockHit
     | BlockStored

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class LLMEngine:
         # Executors that keep per-request state (a seeded sampler's generator) drop it here.
         self._forget = getattr(executor, "forget", None) or (lambda seq_id: None)
         self.num_steps = 0
+        self._next_seq_id = itertools.count()  # request ids: 0, 1, ... in order of arrival
         self._outputs: dict[int, RequestOutput] = {}
 
     @property
@@ -87,7 +89,12 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> int:
-        seq = Sequence(prompt_token_ids, sampling_params or SamplingParams(), self.block_size)
+        seq = Sequence(
+            prompt_token_ids,
+            sampling_params or SamplingParams(),
+            self.block_size,
+            seq_id=next(self._next_seq_id),
+        )
         self.scheduler.add(seq)  # raises RequestRejected before anything is recorded
         now = self.clock if arrival_time is None else arrival_time
         self._outputs[seq.seq_id] = RequestOutput(
@@ -115,6 +122,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.block_manager.step = self.num_steps
         seqs = self.scheduler.schedule()
         token_ids = self.executor.run(seqs) if seqs else []
         listening = bool(self.events)
@@ -177,5 +185,8 @@ class LLMEngine:
                 evictions=stats.evictions,
                 preemptions=stats.preemptions,
                 scheduled=[(seq_id, n) for seq_id, n, _ in scheduled],
+                readmission_queries=stats.readmission_queries,
+                readmission_hits=stats.readmission_hits,
+                miss_tokens=dict(stats.miss_tokens),
             )
         )

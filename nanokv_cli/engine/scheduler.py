@@ -150,9 +150,13 @@ class Scheduler:
                 if num_cached_blocks == -1:
                     admitting = False
                     continue
+                if bm.is_in_flight(seq, num_cached_blocks):
+                    # In-batch prefix sharing: another sequence is computing this prompt's next
+                    # blocks. Wait until they are registered and hit them, instead of computing
+                    # a second copy. Nothing stalls: a leader that is preempted or aborted
+                    # drops its claim, and this sequence then computes the blocks itself.
+                    continue
                 bm.allocate(seq, num_cached_blocks)
-                if seq.num_prefix_hit_tokens < 0:
-                    seq.num_prefix_hit_tokens = seq.num_cached_tokens
                 self.num_prefilling += 1
                 holders_seen += 1
             seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)

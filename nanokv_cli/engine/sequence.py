@@ -25,10 +25,13 @@ class Sequence:
         token_ids: list[int],
         sampling_params: SamplingParams = SamplingParams(),
         block_size: int = 256,
+        seq_id: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.seq_id = next(Sequence.counter)
+        # An engine numbers its own requests from 0 (so a run's request ids are stable); a
+        # sequence made on its own takes the next process-wide id.
+        self.seq_id = next(Sequence.counter) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         # An int64 ``array`` is kept as one (synthesized trace prompts: no per-token objects);

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..engine.events import CacheState
+from ..report import miss_label
 from .blockmap import FREE, USED, block_cell, blocks_per_cell, legend, render_block_map, shared_cell
 
 
@@ -42,6 +43,14 @@ def render_trace_state(
         f"sequences: running {snap.get('num_running', 0)} · waiting {snap.get('num_waiting', 0)}\n"
         f"so far: evictions {snap.get('evictions', 0)} · preemptions {snap.get('preemptions', 0)}"
     )
+    cache = info["cache"]
+    head.append(
+        f"\nprefix cache so far: hit rate {cache['hit_rate']:.1%} "
+        f"({cache['cache_hits']:,} of {cache['cache_queries']:,} tokens)"
+    )
+    misses = {k: v for k, v in cache["miss_tokens"].items() if v}
+    if misses:
+        head.append(" · missed: " + " · ".join(f"{k} {v:,}" for k, v in misses.items()))
     rows = 16
     cells = blocks_per_cell(state.num_blocks, width, rows)
     parts: list[RenderableType] = [
@@ -121,6 +130,13 @@ def render_prompt_map(
     )
     head.append(f"prefix-cache hit rate {info['hit_rate']:.1%}", "bold yellow")
     head.append(" with a cache that never evicts, in file order")
+    misses = info.get("miss_tokens") or {}
+    if misses:
+        total = sum(misses.values())
+        head.append(
+            "\nmissed tokens: "
+            + " · ".join(f"{k} {v:,} ({v / total:.0%})" for k, v in misses.items())
+        )
     key = Text()
     key.append(*USED)
     key.append(" only this prompt  ")
@@ -129,12 +145,13 @@ def render_prompt_map(
         key.append(" ")
     key.append("full block shared by n prompts (underlined: a prefix-cache hit)  ")
     key.append("▏", FREE[1])
-    key.append(" partial last block")
+    key.append(" partial last block\nmissed: why the first block that missed did (@ block index)")
     table = Table(header_style="bold", box=None, pad_edge=False, expand=True)
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("tokens", justify="right", no_wrap=True)
     table.add_column("hit", justify="right", no_wrap=True)
     table.add_column("blocks", no_wrap=True, overflow="ellipsis", ratio=1)
+    table.add_column("missed", no_wrap=True, overflow="ellipsis", max_width=26)
     if texts is not None:
         table.add_column("prompt", no_wrap=True, overflow="ellipsis", max_width=40)
     for p in info["prompts"]:
@@ -149,7 +166,8 @@ def render_prompt_map(
                 hits += bs
                 style = f"{style} underline"
             cells.append(glyph, style)
-        row = [str(p["index"]), f"{p['num_tokens']:,}", f"{hits:,}", cells]
+        why = Text(miss_label(p, bs), style="dim") if "miss_reason" in p else Text("")
+        row = [str(p["index"]), f"{p['num_tokens']:,}", f"{hits:,}", cells, why]
         if texts is not None:
             row.append(repr(texts[p["index"]])[1:-1])
         table.add_row(*row)
@@ -185,3 +203,37 @@ def _shared_blocks(info: dict[str, Any], decode, token_lists) -> RenderableType 
             text = Text(repr(decode(list(tokens)))[1:-1], style="italic")
         table.add_row(_hash(h), f"block {i}", ",".join(map(str, entry["users"])), text)
     return table
+
+
+def render_request(info: dict[str, Any], block_size: int) -> RenderableType:
+    """One request's lookups: a line per block, hits with who shared them, then the miss."""
+    text = Text()
+    text.append(f"request {info['seq_id']}", "bold")
+    text.append(f": {info['num_prompt_tokens']:,} prompt tokens, {block_size}-token blocks\n")
+    if not info["lookups"]:
+        text.append("never admitted in this trace (it was still waiting when it ended)", "dim")
+    for look in info["lookups"]:
+        kind = "first admission" if look["first_admission"] else "re-admission after preemption"
+        n, hit = look["num_tokens"], look["cached_tokens"]
+        text.append(f"\n{kind} at step {look['step']}: ", "bold")
+        text.append(f"{hit:,} of {n:,} tokens from the prefix cache ({hit / n:.1%})\n")
+        missed = False
+        for i, b in enumerate(look["blocks"]):
+            text.append(f"  block {i:>4} → {b['block_id']:>5}  ")
+            if b["hit"] == "shared":
+                others = ", ".join(map(str, b["held_by"])) or "?"
+                text.append("hit, shared", "green")
+                text.append(f" with seq {others}\n")
+            elif b["hit"] == "revived":
+                text.append("hit, revived", "blue")
+                text.append(" from the free queue (cached, no one was using it)\n")
+            elif not missed:
+                missed = True
+                text.append(f"miss: {look['miss_reason']}", "bold red")
+                text.append(f" — {look['explanation']}\n")
+            else:
+                text.append("miss", "red")
+                text.append(
+                    " (follows the first miss: a block hits only after its whole prefix)\n", "dim"
+                )
+    return text

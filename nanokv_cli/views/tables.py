@@ -16,6 +16,18 @@ def _ms(x: float) -> str:
     return f"{x * 1000:,.1f} ms"
 
 
+# One line each for the summary; README's "Reading the numbers" says the same at more length.
+MISS_HELP = {
+    "disabled": "prefix caching off",
+    "preempted": "recomputed after preemption",
+    "last-block": "block with the prompt's last token, always computed",
+    "in-flight": "being computed by another sequence",
+    "evicted": "was cached, evicted",
+    "partial": "shared prefix ends inside the block",
+    "cold": "no earlier prompt had this prefix",
+}
+
+
 def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     """The replay summary: volume, prefix cache, blocks, throughput and latency."""
     table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
@@ -29,9 +41,10 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     table.add_row(
         "prefix-cache hit rate",
         _pct(r["hit_rate"]),
-        f"{r['cached_tokens']:,} prompt tokens served from cache",
+        f"{r['cache_hits']:,} of {r['cache_queries']:,} prompt tokens served from cache "
+        "(first admissions)",
     )
-    hits = r["shared_hit_tokens"] + r["revived_hit_tokens"]
+    hits = r["cache_hits"]
     if hits:
         table.add_row(
             "  shared / revived",
@@ -40,7 +53,25 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
         )
     if "infinite_cache_hit_rate" in r:
         table.add_row("  infinite cache", _pct(r["infinite_cache_hit_rate"]), "upper bound")
-    table.add_row("evictions", f"{r['evictions']:,}", "cached blocks overwritten")
+    misses = {k: v for k, v in r["miss_tokens"].items() if v}
+    if misses:
+        total = sum(misses.values())
+        table.add_row("missed tokens", f"{total:,}", "by reason of the first missed block:")
+        for reason, n in misses.items():
+            table.add_row(f"  {reason}", f"{n:,}", f"{n / total:.0%} · {MISS_HELP[reason]}")
+    if r["readmission_queries"]:
+        table.add_row(
+            "re-admissions",
+            _pct(r["readmission_hits"] / r["readmission_queries"]),
+            f"{r['readmission_hits']:,} of {r['readmission_queries']:,} tokens, after "
+            "preemption (not in the hit rate)",
+        )
+    table.add_row(
+        "prompt tokens computed",
+        f"{r['computed_prompt_tokens']:,}",
+        "prefill work: misses plus recomputation",
+    )
+    table.add_row("evictions", f"{r['evictions']:,}", "cached blocks lost to new data")
     table.add_row("preemptions", f"{r['preemptions']:,}", "sequences recomputed")
     table.add_row("peak blocks in use", f"{r['peak_used_blocks']:,}", f"of {r['num_blocks']:,}")
     clock = "virtual seconds" if r.get("dry_run") else "seconds"

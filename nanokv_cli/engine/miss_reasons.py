@@ -1,0 +1,135 @@
+"""Why a prompt lookup missed: one reason per lookup, for the first block that did not hit.
+
+The BlockManager calls in at each change that bears on a later explanation (a block allocated,
+computed, registered, evicted or overwritten) and asks ``explain`` at each admission. The
+reasons, tested in this order (the first that applies wins; ``block_manager.MISS_REASONS``):
+
+* ``disabled``: prefix caching is off.
+* ``preempted``: a re-admission after preemption recomputes what it lost.
+* ``last-block``: every full block before it hit; the block holding the prompt's last token is
+  always computed (a step needs one token to produce logits).
+* ``in-flight``: another sequence is computing this very block now (the scheduler holds such
+  followers back until the block is registered, so this should stay near zero).
+* ``evicted``: the block was cached once and evicted (at ``evicted_at_step``).
+* ``partial``: an earlier prompt shared this prefix but diverged inside this block
+  (``partial_tokens`` tokens of it in common, fewer than the block size).
+* ``cold``: no earlier prompt computed this prefix.
+
+What it keeps: the next block each prefilling sequence is computing (its claim, which
+``in-flight`` and the scheduler's in-batch sharing test), the evicted hashes (one int each,
+the latest eviction wins), and for ``partial`` the newest continuation of each prefix, a
+registered block (checked to still hold it when asked) or a prompt's partial last block (its
+tokens), pruned oldest first past a few times the cache's block count.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
+    from .sequence import Sequence
+
+
+class MissExplainer:
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        self.block_size = block_size
+        self._max_known = 4 * num_blocks
+        self._pending: dict[int, int] = {}  # hash -> block being computed for it
+        self._evicted_at: dict[int, int] = {}  # hash -> step it was last evicted at
+        # (parent hash, first token) -> a known continuation of that prefix: a registered
+        # block as (block id, its hash), or a partial last block's prompt tokens.
+        self._known: dict[tuple[int, int], tuple[int, int] | list[int]] = {}
+
+    # -- questions ---------------------------------------------------------------------------
+
+    def is_pending(self, block_hash: int) -> bool:
+        return block_hash in self._pending
+
+    def explain(
+        self, bm: BlockManager, seq: Sequence, num_cached_blocks: int, first: bool
+    ) -> tuple[str, int, int]:
+        """``(reason, evicted_at_step, partial_tokens)`` for a lookup that hit
+        ``num_cached_blocks`` blocks (-1 and 0 where they do not apply)."""
+        if not bm.enable_prefix_caching:
+            return "disabled", -1, 0
+        if not first:
+            return "preempted", -1, 0
+        k = num_cached_blocks
+        if k >= (len(seq) - 1) // self.block_size:
+            return "last-block", -1, 0
+        h = bm._block_hash(seq, k)
+        if h in self._pending:
+            return "in-flight", -1, 0
+        step = self._evicted_at.get(h)
+        if step is not None:
+            return "evicted", step, 0
+        shared = self._shared_tokens(bm, seq, k)
+        if shared:
+            return "partial", -1, shared
+        return "cold", -1, 0
+
+    def _shared_tokens(self, bm: BlockManager, seq: Sequence, k: int) -> int:
+        """Tokens block ``k`` of ``seq`` has in common with the known continuation of the same
+        parent prefix that starts with the same token (0 if there is none)."""
+        bs = self.block_size
+        tokens = seq.token_ids[k * bs : (k + 1) * bs]
+        known = self._known.get((seq.block_hashes[k - 1] if k else -1, tokens[0]))
+        if known is None:
+            return 0
+        if isinstance(known, tuple):
+            block = bm.blocks[known[0]]
+            if block.hash != known[1]:
+                return 0  # the block was reused since: its content is gone
+            known = block.token_ids
+        n = 0
+        for x, y in zip(tokens, known):
+            if x != y:
+                break
+            n += 1
+        return n if n < bs else 0
+
+    # -- what happened -------------------------------------------------------------------------
+
+    def admitted(self, bm: BlockManager, seq: Sequence, num_cached_blocks: int) -> None:
+        """``seq`` got its blocks and computes from block ``num_cached_blocks`` on."""
+        self._claim_next(bm, seq, num_cached_blocks)
+        bs = self.block_size
+        full = seq.num_tokens // bs
+        if full < len(seq.block_table):  # a partial last block: remember what the prompt holds
+            tail = seq.token_ids[full * bs :]  # a copy (list or int64 array)
+            self._known[(bm._block_hash(seq, full - 1) if full else -1, tail[0])] = tail
+
+    def _claim_next(self, bm: BlockManager, seq: Sequence, i: int) -> None:
+        # Only a sequence's next uncomputed full block is claimed: a follower waits for the
+        # first block it misses, and every later block is claimed as the one before is done.
+        if i < seq.num_tokens // self.block_size:
+            self._pending.setdefault(bm._block_hash(seq, i), seq.block_table[i])
+
+    def progressed(self, bm: BlockManager, seq: Sequence, start: int, end: int) -> None:
+        """Blocks ``start`` to ``end - 1`` of ``seq`` were computed (and registered)."""
+        hashes = seq.block_hashes
+        if start < len(hashes) and self._pending.get(hashes[start]) == seq.block_table[start]:
+            del self._pending[hashes[start]]
+        self._claim_next(bm, seq, end)
+        if len(self._known) > self._max_known:  # drop the oldest half
+            for key in list(self._known)[: len(self._known) // 2]:
+                del self._known[key]
+
+    def stored(self, block_id: int, block_hash: int, parent_hash: int, first_token: int) -> None:
+        self._known[(parent_hash, first_token)] = (block_id, block_hash)
+
+    def evicted(self, block_hash: int, step: int) -> None:
+        self._evicted_at[block_hash] = step
+
+    def released(self, seq: Sequence) -> None:
+        """``seq`` lets go of its blocks: the block it claimed will not be computed by it."""
+        i = seq.num_cached_tokens // self.block_size
+        if i < len(seq.block_hashes) and i < len(seq.block_table):
+            h = seq.block_hashes[i]
+            if self._pending.get(h) == seq.block_table[i]:
+                del self._pending[h]
+
+    def cleared(self) -> None:
+        self._evicted_at.clear()
+        self._known.clear()
