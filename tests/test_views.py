@@ -254,3 +254,82 @@ def test_inspect_views_render_a_state_and_a_prompt_map():
     )
     assert "3 prompts on 2-token blocks" in out
     assert "Shared blocks" in out and "T1" in out and "0,1" in out
+
+
+def test_live_view_counters_match_the_block_managers_stats_in_a_terminal():
+    """A real engine run drawn into a terminal: the final frame's hit rate, re-admissions and
+    miss reasons are the BlockManager's own numbers, and at every step the view's books (which
+    it applies event by event) equal what ``CacheState.apply_all`` makes of the same events."""
+    import re
+
+    from nanokv_cli.cli import dry_run_engine
+    from nanokv_cli.engine.block_manager import MISS_REASONS
+    from nanokv_cli.engine.events import CacheLookup
+
+    eng, _ = dry_run_engine(block_size=4, num_blocks=24)
+    buf = io.StringIO()
+    con = Console(file=buf, width=160, height=60, force_terminal=True, color_system="256")
+    view = LiveView(eng.num_blocks, 4, console=con)
+    ref = CacheState(eng.num_blocks)
+    lookups: dict[int, CacheLookup] = {}
+    eng.events.subscribe(ref.apply)
+    view.attach(eng.events)
+    eng.events.subscribe(lambda e: lookups.update({e.seq_id: e}) if type(e) is CacheLookup else 0)
+    prefix = list(range(100, 116))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    waves = [
+        [prefix + [1, 2, 3]],  # cold
+        [prefix + [1, 2, 3], prefix[:14] + [7, 8, 9], prefix + [5]],  # last-block, partial
+        [prefix + [6, 6]],  # revived: the prefix sits in the free queue
+        [[1000 + 10 * i + j for j in range(15)] for i in range(4)],  # preemption, evictions
+        [prefix + [4, 4, 4, 4, 4]],  # evicted
+    ]
+
+    def step() -> None:
+        eng.step()
+        view.tick()
+        assert view.state.ref_count == ref.ref_count
+        assert view.state.block_hash == ref.block_hash
+        assert view.state.block_tables == ref.block_tables
+        # The sequence table's hit column: hit blocks at each holder's current admission.
+        assert view.hit_blocks.keys() >= ref.block_tables.keys()
+        for seq_id in ref.block_tables:
+            assert view.hit_blocks[seq_id] == lookups[seq_id].num_hit_tokens // 4
+
+    with view:
+        for i, wave in enumerate(waves):
+            for prompt in wave:
+                eng.add_request(prompt, params)
+            for _ in range(20 if i == 1 else 3):
+                step()
+        while eng.has_unfinished_requests():
+            step()
+
+    stats = eng.block_manager.stats
+    misses = {r: n for r, n in stats.miss_tokens.items() if n}
+    assert stats.revived_hits and stats.shared_hits and stats.readmission_queries
+    assert {"cold", "partial", "last-block", "evicted", "preempted"} <= misses.keys()
+    # The final frame: the last of each line the terminal was sent, escape codes stripped.
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", buf.getvalue()).splitlines()
+    cache_line = [line for line in lines if line.startswith("cache   ")][-1]
+    miss_line = [line for line in lines if line.startswith("misses  ")][-1]
+    evictions_line = [line for line in lines if "evictions" in line][-1]
+
+    q = stats.queries
+    assert cache_line.startswith(f"cache   hit rate {stats.hit_rate:.1%} ")
+    assert (
+        f"(shared {stats.shared_hits / q:.1%} · revived {stats.revived_hits / q:.1%}"
+        f" of {q:,} tokens looked up)"
+    ) in cache_line
+    assert (
+        f"preemptions {stats.preemptions:,} · re-admissions: "
+        f"{stats.readmission_hits:,} of {stats.readmission_queries:,} tokens hit"
+    ) in evictions_line
+    shown = re.findall(r"([a-z-]+) ([\d,]+) \((\d+)%\)", miss_line)
+    assert [r for r, _, _ in shown] == [r for r in MISS_REASONS if r in misses]
+    assert {r: int(n.replace(",", "")) for r, n, _ in shown} == misses
+    total = sum(misses.values())
+    assert total == stats.queries - stats.hits + stats.readmission_queries - stats.readmission_hits
+    assert miss_line.rstrip() == "misses  " + " · ".join(
+        f"{r} {misses[r]:,} ({misses[r] / total:.0%})" for r, _, _ in shown
+    )

@@ -1,25 +1,38 @@
 """The live view: block map, counters, sequences and streamed text, redrawn while the engine runs.
 
-Its event listener only records (``list.append``: no Python code per event). The driver calls
-``tick()`` once per step: recorded events are applied in small batches (``CacheState.apply_all``)
-and a frame is drawn only when one is due: at most ``max_fps`` a second, and never more often
-than keeps drawing under ``budget`` (default 2%) of the elapsed time, however slow a frame is
-on this terminal. ``scripts/bench_live_view.py`` measures what it costs a replay.
+Its event listener applies each event as it arrives to the few books a frame reads (ref counts,
+hashes and block tables in a ``CacheState``, prompt lengths, hit counts, the last snapshot) and
+keeps no event. Keeping them for a batch costs more than applying them: a dry run emits a few
+hundred thousand a second, and events that are still alive when the garbage collector runs
+make it run more often and promote them, so whole-heap collections follow
+(``scripts/BENCHMARKS.md``, "Live view cost"). The driver calls ``tick()`` once per step, and a
+frame is drawn only when one is due: at most ``max_fps`` a second, and never more often than
+keeps drawing under ``budget`` (default 2%) of the elapsed time, however slow a frame is on
+this terminal (~2.5 ms at 120x40, so about 8 frames a second). ``scripts/bench_live_view.py``
+measures what the view costs a replay.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
-from rich.text import Text
+from rich.text import Span, Text
 
+from ..engine.block_manager import MISS_REASONS
 from ..engine.events import (
+    AllBlocksCleared,
+    BlockAllocated,
+    BlockFreed,
     BlockHit,
+    BlockRemoved,
+    BlockStored,
+    CacheLookup,
     CacheState,
     Event,
     EventBus,
@@ -29,12 +42,6 @@ from ..engine.events import (
     StepSnapshot,
 )
 from .blockmap import blocks_per_cell, legend, render_block_map, shared_cell
-
-# Recorded events are applied once this many pile up, even if no frame is due. Small batches
-# matter: events held longer survive garbage-collector passes and get promoted, and the
-# resulting full collections cost more than applying the events (measured: +50% vs +12% on a
-# dry run with 4096 vs 256).
-MAX_PENDING = 256
 
 
 class LiveView:
@@ -61,17 +68,17 @@ class LiveView:
         self.min_interval = 1.0 / max_fps
         self.budget = budget
         self.max_seq_rows = max_seq_rows
+        # Ref counts, hashes and block tables only: the view keeps no block tokens or prompts.
         self.state = CacheState(num_blocks)
         self.snapshot: StepSnapshot | None = None
         self.prompt_len: dict[int, int] = {}
-        self.hit_blocks: dict[int, int] = {}
+        self.hit_blocks: dict[int, int] = {}  # prefix-cache hits at the current admission
         self.texts: dict[int, str] = {}
         self.num_finished = 0
         self.tokens_total = 0
         self.frames = 0
         self.draw_time = 0.0  # seconds spent drawing frames
-        self.apply_time = 0.0  # seconds spent applying recorded events
-        self._pending: list[Event] = []
+        self.on_event = self._make_listener()
         self._rate_samples: deque[tuple[float, int]] = deque()
         self._next_frame = 0.0
         self._live: Live | None = None
@@ -79,39 +86,74 @@ class LiveView:
     # -- listening ---------------------------------------------------------------------------
 
     def attach(self, events: EventBus) -> Callable[[], None]:
-        """Record ``events`` from now on; returns the unsubscribe function."""
-        return events.subscribe(self._pending.append)
+        """Follow ``events`` from now on; returns the unsubscribe function."""
+        return events.subscribe(self.on_event)
+
+    def _make_listener(self) -> Callable[[Event], None]:
+        """The listener: ``send`` of a generator that applies each event to the books (a
+        generator's locals stay put between events, where a closure copies its variables into
+        every call). The per-block events, ~97% of a dry run's, are tested first. After every
+        step the ref counts, hashes and block tables equal ``CacheState.apply_all``'s of the
+        same events (``tests/test_views.py`` checks it step by step). Call it from the thread
+        that steps the engine."""
+        listener = self._apply_events()
+        next(listener)  # run to the first ``yield``
+        return listener.send
+
+    def _apply_events(self) -> Generator[None, Event, None]:
+        state = self.state
+        ref_count, block_hash, tables = state.ref_count, state.block_hash, state.block_tables
+        prompt_len, hit_blocks = self.prompt_len, self.hit_blocks
+        # The hot names as locals (a generator's stay put): globals cost a lookup per event.
+        type_of, drop_table = type, tables.pop
+        Freed, Allocated, Stored, Removed = BlockFreed, BlockAllocated, BlockStored, BlockRemoved
+        while True:
+            event = yield
+            t = type_of(event)
+            if t is Freed:
+                ref_count[event.block_id] = event.ref_count
+                # Blocks are freed only by deallocate(), a whole table at a time (SPEC 2), and
+                # frames are drawn between steps: the first one ends the sequence's table.
+                drop_table(event.seq_id, None)
+            elif t is Allocated:
+                b = event.block_id
+                ref_count[b] = 1
+                block_hash[b] = -1
+                try:  # cheaper than tables.get() here: a sequence's first block is the rare case
+                    tables[event.seq_id].append(b)
+                except KeyError:
+                    tables[event.seq_id] = [b]
+            elif t is Stored:
+                block_hash[event.block_id] = event.block_hash
+            elif t is Removed:
+                block_hash[event.block_id] = -1
+            elif t is StepSnapshot:
+                self.snapshot = state.last_snapshot = event
+                self.tokens_total += event.num_prefill_tokens + event.num_decode_tokens
+            elif t is BlockHit:
+                ref_count[event.block_id] += 1
+                tables.setdefault(event.seq_id, []).append(event.block_id)
+            elif t is CacheLookup:
+                hit_blocks[event.seq_id] = event.num_hit_tokens // self.block_size
+            elif t is SequenceAdded:
+                prompt_len[event.seq_id] = len(event.prompt_token_ids)
+            elif t is SequenceFinished:
+                self.num_finished += 1
+                prompt_len.pop(event.seq_id, None)
+                hit_blocks.pop(event.seq_id, None)
+            elif t is SequencePreempted:
+                hit_blocks.pop(event.seq_id, None)
+            elif t is AllBlocksCleared:
+                block_hash[:] = [-1] * state.num_blocks
 
     def tick(self) -> None:
         """Call once per engine step: draws a frame when one is due."""
         if time.perf_counter() >= self._next_frame:
             self.refresh()
-        elif len(self._pending) > MAX_PENDING:
-            self.update()
 
     def update(self) -> None:
-        """Apply the recorded events to the view's books."""
-        t0 = time.perf_counter()
-        batch = self._pending[:]
-        self._pending.clear()
-        for event in self.state.apply_all(batch):
-            t = type(event)
-            if t is StepSnapshot:
-                self.snapshot = event
-                self.tokens_total += event.num_prefill_tokens + event.num_decode_tokens
-            elif t is BlockHit:
-                self.hit_blocks[event.seq_id] = self.hit_blocks.get(event.seq_id, 0) + 1
-            elif t is SequenceAdded:
-                self.prompt_len[event.seq_id] = len(event.prompt_token_ids)
-                # Only the length is needed here; the state need not keep every prompt.
-                del self.state.prompts[event.seq_id]
-            elif t is SequenceFinished:
-                self.num_finished += 1
-                self.prompt_len.pop(event.seq_id, None)
-                self.hit_blocks.pop(event.seq_id, None)
-            elif t is SequencePreempted:
-                self.hit_blocks.pop(event.seq_id, None)
-        self.apply_time += time.perf_counter() - t0
+        """Nothing to do: events are applied as they arrive. Kept for callers that still
+        bring the view up to date before rendering it themselves."""
 
     def set_text(self, seq_id: int, text: str) -> None:
         """The text generated so far for ``seq_id`` (shown when ``show_text``)."""
@@ -120,11 +162,13 @@ class LiveView:
     # -- drawing -------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Apply what was recorded and draw a frame now."""
-        self.update()
+        """Draw a frame now."""
         t0 = time.perf_counter()
         if self._live is not None:
             self._live.update(self.render(), refresh=True)
+        self._drawn(t0)
+
+    def _drawn(self, t0: float) -> None:
         t1 = time.perf_counter()
         self.frames += 1
         self.draw_time += t1 - t0
@@ -132,6 +176,7 @@ class LiveView:
         self._next_frame = t1 + max(self.min_interval, (t1 - t0) / self.budget)
 
     def __enter__(self) -> LiveView:
+        t0 = time.perf_counter()
         self._live = Live(
             self.render(),
             console=self.console,
@@ -139,15 +184,22 @@ class LiveView:
             transient=self.transient,
             vertical_overflow="crop",
         )
-        self._live.__enter__()
+        self._live.__enter__()  # draws the first frame, which the rate and budget count too
+        self._drawn(t0)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._live is not None:
+        live, self._live = self._live, None
+        if live is None:
+            return
+        t0 = time.perf_counter()
+        try:
             if exc[0] is None:
-                self.refresh()
-            self._live.__exit__(*exc)
-            self._live = None
+                live.update(self.render())  # Live's exit draws it: one final frame, not two
+        finally:
+            live.__exit__(*exc)  # shows the cursor again, whatever happened
+        if exc[0] is None:
+            self._drawn(t0)
 
     def render(self) -> RenderableType:
         width = max(20, self.console.size.width - 4)
@@ -199,6 +251,7 @@ class LiveView:
         )
         text.append("cache   ", "bold")
         if s.queries:
+            # First admissions only (block_manager.CacheStats): the headline everywhere.
             text.append(f"hit rate {s.hits / s.queries:.1%}", "bold yellow")
             text.append(
                 f" (shared {s.shared_hits / s.queries:.1%} · revived {s.revived_hits / s.queries:.1%}"
@@ -206,46 +259,69 @@ class LiveView:
             )
         else:
             text.append("no lookups yet", "dim")
+        text.append("\nmisses  ", "bold")
+        text.append_text(miss_text(s.miss_tokens))
         text.append(f"\n        evictions {s.evictions:,} · preemptions {s.preemptions:,}")
+        if s.readmission_queries:
+            text.append(
+                f" · re-admissions: {s.readmission_hits:,} of {s.readmission_queries:,} tokens hit"
+            )
         text.append(f"     {s.kind} step · {self._tokens_per_s():,.0f} tokens/s")
         return text
 
     def _sequence_table(self, width: int) -> Text:
         """Live sequences and their block tables, as plain columns: a Rich Table would cost
-        more to lay out than everything else in the frame."""
-        text = Text(no_wrap=True, overflow="ellipsis")
-        text.append(
-            f"{'seq':>5} {'this step':>11} {'prompt':>7} {'hit':>4} {'blocks':>6}  block table",
-            "bold",
-        )
+        more to lay out than everything else in the frame. Built as one string and its spans
+        (an ``append`` per block id cost more than drawing them)."""
+        header = f"{'seq':>5} {'this step':>11} {'prompt':>7} {'hit':>4} {'blocks':>6}  block table"
+        pieces = [header]
+        spans = [Span(0, len(header), "bold")]
+        pos = len(header)
         scheduled = dict(self.snapshot.scheduled) if self.snapshot else {}
-        holders = sorted(self.state.block_tables.items())
+        tables = self.state.block_tables
+        holders = heapq.nsmallest(self.max_seq_rows, tables)
         room = max(8, width - 40)
-        for seq_id, blocks in holders[: self.max_seq_rows]:
+        for seq_id in holders:
+            blocks = tables[seq_id]
             n = scheduled.get(seq_id, 0)
             step = "decode" if n == 1 else (f"prefill {n}" if n else "-")
-            text.append(
+            row = (
                 f"\n{seq_id:>5} {step:>11} {self.prompt_len.get(seq_id, 0):>7} "
                 f"{self.hit_blocks.get(seq_id, 0):>4} {len(blocks):>6}  "
             )
-            text.append_text(self.block_table_text(blocks, room))
-        if len(holders) > self.max_seq_rows:
-            text.append(f"\n{'…':>5} {len(holders) - self.max_seq_rows} more sequences", "dim")
-        return text
+            pieces.append(row)
+            pos += len(row)
+            labels, label_spans = self._block_labels(blocks, room, pos)
+            pieces.append(labels)
+            spans += label_spans
+            pos += len(labels)
+        if len(tables) > self.max_seq_rows:
+            more = f"\n{'…':>5} {len(tables) - self.max_seq_rows} more sequences"
+            pieces.append(more)
+            spans.append(Span(pos, pos + len(more), "dim"))
+        return Text("".join(pieces), no_wrap=True, overflow="ellipsis", spans=spans)
 
     def block_table_text(self, blocks: list[int], room: int) -> Text:
         """Physical block ids, shared ones coloured by ref count, cut to ``room`` columns."""
-        text = Text(no_wrap=True, overflow="ellipsis")
+        labels, spans = self._block_labels(blocks, room, 0)
+        return Text(labels, no_wrap=True, overflow="ellipsis", spans=spans)
+
+    def _block_labels(self, blocks: list[int], room: int, pos: int) -> tuple[str, list[Span]]:
+        """``block_table_text`` as a string and its spans, which start at ``pos``."""
         rc = self.state.ref_count
+        pieces: list[str] = []
+        spans: list[Span] = []
         used = 0
         for b in blocks:
             label = f"{b} "
-            used += len(label)
-            if used > room:
-                text.append("…")
+            if used + len(label) > room:
+                pieces.append("…")
                 break
-            text.append(label, shared_cell(rc[b])[1] if rc[b] > 1 else None)
-        return text
+            if rc[b] > 1:
+                spans.append(Span(pos + used, pos + used + len(label), shared_cell(rc[b])[1]))
+            pieces.append(label)
+            used += len(label)
+        return "".join(pieces), spans
 
     def _text_panels(self, width: int) -> list[Panel]:
         lines_each = max(3, min(12, self.console.size.height // (2 * len(self.texts))))
@@ -255,3 +331,21 @@ class LiveView:
             tail = Text("\n").join(lines[-lines_each:])
             panels.append(Panel(tail, title=f"seq {seq_id}", title_align="left"))
         return panels
+
+
+def miss_text(miss_tokens: dict[str, int]) -> Text:
+    """Missed tokens by reason, in ``MISS_REASONS`` order, with each one's share of the misses:
+    ``cold 1,024 (60%) · partial 512 (30%) · last-block 160 (10%)``."""
+    reasons = [r for r in MISS_REASONS if miss_tokens.get(r)]
+    reasons += [r for r, n in miss_tokens.items() if n and r not in MISS_REASONS]
+    total = sum(miss_tokens[r] for r in reasons)
+    text = Text()
+    if not total:
+        return text.append("none", "dim")
+    for i, reason in enumerate(reasons):
+        n = miss_tokens[reason]
+        if i:
+            text.append(" · ")
+        text.append(reason, "magenta")
+        text.append(f" {n:,} ({n / total:.0%})")
+    return text
