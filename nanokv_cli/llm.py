@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 
 from .engine import distributed
@@ -94,6 +95,9 @@ class LLM:
             options["quantized_blocks"] = blocks
         self.tensor_parallel_size = tensor_parallel_size
         self.rank = 0  # tensor-parallel rank: only rank 0 schedules, samples and generates
+        # The engine is not thread-safe: generate/stream calls take turns on it.
+        self._stream_lock = threading.Lock()
+        self._stream_thread: int | None = None
         if mode == "single":
             self.model_runner = ModelRunner(self.config, weights, **options)
             self.executor = self.model_runner
@@ -154,11 +158,26 @@ class LLM:
 
         All prompts are encoded and admitted (or rejected) before the first step, so a bad
         request fails before any work is done. Engine events go to ``self.engine.events``.
+        Calls from several threads take turns (the engine steps one batch at a time); a call
+        from inside another's loop on the same thread is refused, as it could only deadlock.
         """
         if self.engine is None:
             raise RuntimeError(
                 f"this process is tensor-parallel rank {self.rank}: only rank 0 generates"
             )
+        if self._stream_thread == threading.get_ident():
+            raise RuntimeError(
+                "LLM.generate/stream called while this thread is still iterating another "
+                "stream of the same LLM; finish (or close) that one first"
+            )
+        with self._stream_lock:
+            self._stream_thread = threading.get_ident()
+            try:
+                yield from self._stream(prompts, sampling_params)
+            finally:
+                self._stream_thread = None
+
+    def _stream(self, prompts, sampling_params) -> Iterator[tuple[int, RequestOutput]]:
         if isinstance(prompts, str):
             prompts = [prompts]
         params = _broadcast(sampling_params, len(prompts))

@@ -157,3 +157,34 @@ def test_default_model_knows_the_capital_of_france():
     chat = llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
     reply = llm.generate([chat], SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in reply[0]["text"]
+
+
+def test_threads_take_turns_and_nested_calls_are_refused(root):
+    import threading
+
+    path = model_dir("llama", root)
+    llm = LLM(path, dtype="float32", device="cpu", block_size=8, num_blocks=64)
+    prompts = prompts_with_shared_prefix(n=3)
+    expected = [hf_greedy(path, tuple(p), GREEDY.max_tokens) for p in prompts]
+    results: dict[int, list] = {}
+    errors = []
+
+    def worker(k: int) -> None:
+        try:
+            results[k] = [o["token_ids"] for o in llm.generate(prompts, GREEDY)]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and all(results[k] == expected for k in range(4))
+    stream = llm.stream(prompts, GREEDY)
+    next(stream)
+    with pytest.raises(RuntimeError, match="still iterating another stream"):
+        llm.generate(prompts, GREEDY)
+    stream.close()
+    assert [o["token_ids"] for o in llm.generate(prompts, GREEDY)] == expected
+    llm.engine.block_manager.check_invariants([])
