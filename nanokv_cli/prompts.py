@@ -275,7 +275,7 @@ def read_mooncake_trace(path: Path) -> Iterator[PromptRequest]:
     try:
         for req in read_mooncake(path):
             yield PromptRequest(
-                token_source=req.prompt_token_ids,
+                token_source=req.prompt,
                 sampling={"max_tokens": max(1, req.output_length), "ignore_eos": True},
                 timestamp=req.timestamp,
                 num_prompt_tokens=req.input_length,

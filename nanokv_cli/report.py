@@ -45,6 +45,7 @@ class RunStats:
         self.on_request = on_request
         self.requests = 0
         self.finished = 0
+        self.aborted = 0  # requests dropped before they finished (a client went away)
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.computed_prompt_tokens = 0  # prefill tokens the steps computed (misses + recompute)
@@ -75,9 +76,12 @@ class RunStats:
                     else:
                         rec["readmission_hit_tokens"] += event.num_hit_tokens
         elif t is SequenceFinished:
-            self.finished += 1
-            self.prompt_tokens += event.num_prompt_tokens
-            self.output_tokens += event.num_completion_tokens
+            if event.reason == "abort":
+                self.aborted += 1
+            else:
+                self.finished += 1
+                self.prompt_tokens += event.num_prompt_tokens
+                self.output_tokens += event.num_completion_tokens
             if self.on_request is not None:
                 rec = self._live.pop(event.seq_id, None)
                 if rec is not None:
@@ -141,6 +145,7 @@ class RunStats:
             **config,
             "requests": self.finished,
             "requests_added": self.requests,
+            "requests_aborted": self.aborted,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             **cache_numbers(self.last),

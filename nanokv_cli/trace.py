@@ -1,44 +1,115 @@
-"""Event traces: a JSONL file of every engine event, readable by ``nanokv inspect``.
+"""Event traces: every engine event of a run, compact and seekable, for ``nanokv inspect``.
 
-Line 1 is a header object (``{"format": "nanokv-trace", "version": 1, ...}`` with the cache
-geometry and the model path, so ``inspect`` can show block text). Every further line is one
-event as ``events.event_to_dict`` writes it. Lines are flushed after each step snapshot, so a run
-stopped by Ctrl-C (or killed) leaves a file that ends on a whole step.
+Version 2 layout. The file opens with the 8 bytes ``NKVTRC02``; then come records, each a
+21-byte prefix (``<IcQQ``: payload length, kind, first, last) and a payload that is one zstd
+frame (zstandard, content checksum on) of one msgpack object. Kinds:
+
+* ``H`` the header dict (the first record).
+* ``P`` prompts of sequences ``first..last``: ``[[seq_id, tokens], ...]``, tokens as int32
+  bytes, or a recipe list where the prompt was synthesized (a Mooncake request's hash ids).
+  This is the only place prompt tokens are stored.
+* ``E`` the events of steps ``first..last``, each a list ``[code, field, ...]``; a
+  ``BlockStored`` of prompt tokens names ``(seq_id, block index)`` instead of its tokens.
+* ``C`` a checkpoint: the cache state at the end of step ``first`` (ref counts, hashes, block
+  tables, where each cached block's tokens come from, the unfinished sequences, the snapshot).
+
+The prefixes are the index: opening a trace hops from prefix to prefix without reading a
+payload, so reading step N decodes the checkpoint before it and at most ``CHECKPOINT_EVERY``
+steps of events, plus the prompts those name. Records are written whole, at step boundaries
+(at least every ``FLUSH_SECONDS``); a run killed mid-write leaves a torn last record, which
+the reader drops with a note. Version 1 traces (JSONL) are still read.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import struct
+import sys
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import IO, Any
 
+import msgpack
+import numpy as np
+import zstandard
+
 from . import __version__
 from .engine.events import (
-    EVENT_TYPES,
+    AllBlocksCleared,
     BlockAllocated,
+    BlockFreed,
     BlockHit,
     BlockRemoved,
+    BlockStored,
     CacheLookup,
     CacheState,
     Event,
     SequenceAdded,
+    SequenceFinished,
+    SequencePreempted,
     StepSnapshot,
     event_from_dict,
     event_to_dict,
 )
 
 TRACE_FORMAT = "nanokv-trace"
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+MAGIC = b"NKVTRC02"
+CHECKPOINT_EVERY = 256  # steps between checkpoints: the most events reading a step replays
+FLUSH_SECONDS = 0.25  # a record is written at the first step boundary after this long...
+FLUSH_STEPS = 256  # ...or after this many steps...
+FLUSH_EVENTS = 50_000  # ...or this many events, whichever comes first
+_PREFIX = struct.Struct("<IcQQ")
 
-# Field names per event class, looked up once: asdict() deep-copies and is several times slower.
-_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in EVENT_TYPES.values()}
+# Event type codes of version 2: the order is part of the format.
+_CODES = (
+    SequenceAdded,
+    CacheLookup,
+    BlockAllocated,
+    BlockHit,
+    BlockStored,
+    BlockRemoved,
+    AllBlocksCleared,
+    BlockFreed,
+    SequencePreempted,
+    SequenceFinished,
+    StepSnapshot,
+)
+_CODE = {cls: i for i, cls in enumerate(_CODES)}
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _CODES}
+_STORED, _ADDED, _SNAPSHOT = _CODE[BlockStored], _CODE[SequenceAdded], _CODE[StepSnapshot]
 
 
 class TraceError(ValueError):
-    """A file that is not a readable nanokv trace; the message names the file and line."""
+    """A file that is not a readable nanokv trace; the message names the file."""
+
+
+# A header may claim any cache size; a reader allocates per block, so bound what it accepts.
+MAX_NUM_BLOCKS = 1 << 24
+MAX_BLOCK_SIZE = 1 << 20
+
+
+def _check_header(path: Path, h: Any, version: int) -> None:
+    where = f"{path} line 1" if version == 1 else str(path)
+    for key, top in (("block_size", MAX_BLOCK_SIZE), ("num_blocks", MAX_NUM_BLOCKS)):
+        v = h.get(key)
+        if type(v) is not int or not 1 <= v <= top:
+            raise TraceError(f"{where}: header lacks a valid {key!r} (1 to {top:,})")
+    if h.get("model") is not None and not isinstance(h["model"], str):
+        h["model"] = None  # only names a tokenizer for block text: ignore a bad one
+
+
+def _check_event(event: Event, num_blocks: int) -> None:
+    """Refuse fields that would corrupt a rebuilt state (a negative block id would alias
+    another block through Python's negative indexing)."""
+    for name in ("block_id", "seq_id", "ref_count"):
+        v = getattr(event, name, 0)
+        if type(v) is not int or v < 0 or (name == "block_id" and v >= num_blocks):
+            raise ValueError(f"{type(event).__name__}.{name} = {v!r} is out of range")
 
 
 def make_header(
@@ -52,39 +123,182 @@ def make_header(
         "block_size": block_size,
         "num_blocks": num_blocks,
         "model": model,
+        "created_unix": time.time(),  # what exported vLLM event batches' ``ts`` count from
         **extra,
     }
 
 
-def encode_event(event: Event) -> str:
-    cls = type(event)
-    d: dict[str, Any] = {"type": cls.__name__}
-    for name in _FIELDS[cls]:
-        d[name] = getattr(event, name)
-    # Synthesized prompts are int64 arrays; JSON gets them as lists.
-    return json.dumps(d, separators=(",", ":"), default=list)
+def _token_bytes(tokens) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def _tokens(data: bytes) -> array:
+    tokens = array("i", data)  # the format's int32 is little-endian; so is every x86 and Arm
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens
+
+
+# -- writing -----------------------------------------------------------------------------------
 
 
 class TraceWriter:
-    """An event listener that appends each event to a trace file, flushing once per step."""
+    """An event listener that writes a version-2 trace.
+
+    Events are held until a step boundary, then written as one record (with the prompts they
+    introduce); every ``CHECKPOINT_EVERY`` steps the cache state follows as a checkpoint.
+    """
 
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
         self.path = Path(path)
-        self._file: IO[str] | None = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
-        self._pending: list[str] = [json.dumps(header)]
-        self.flush()
+        self.block_size = header["block_size"]
+        self._file: IO[bytes] | None = open(self.path, "wb")  # noqa: SIM115
+        self._zstd = zstandard.ZstdCompressor(level=3, write_checksum=True)
+        self._file.write(MAGIC)
+        self._record(b"H", 0, 0, header)
+        self._file.flush()
+        self._events: list[Event] = []
+        self._interrupted = False
+        self._steps = 0  # step boundaries held
+        self._first_step = 0
+        self._last_flush = time.monotonic()
+        self._last_checkpoint = -1
+        # What checkpoints need, kept up to date as records are written.
+        self._state = CacheState(header["num_blocks"])
+        self._table_len: dict[int, int] = {}  # seq_id -> blocks in its table
+        self._owner: dict[int, tuple[int, int]] = {}  # block -> (seq_id, index) that got it
+        self._prompt_len: dict[int, int] = {}  # unfinished seq_id -> prompt tokens
+        self._source: dict[int, tuple[int, int] | bytes] = {}  # cached block -> its tokens' origin
+        self._recipes: dict[int, list] = {}
 
     def __call__(self, event: Event) -> None:
-        self._pending.append(encode_event(event))
+        self._events.append(event)
         if type(event) is StepSnapshot:
-            self.flush()
+            self._steps += 1
+            if (
+                self._steps >= FLUSH_STEPS
+                or len(self._events) >= FLUSH_EVENTS
+                or time.monotonic() - self._last_flush >= FLUSH_SECONDS
+            ):
+                self.flush()
+
+    def _record(self, kind: bytes, first: int, last: int, obj: Any) -> None:
+        payload = self._zstd.compress(msgpack.packb(obj, use_bin_type=True))
+        self._file.write(_PREFIX.pack(len(payload), kind, first, last) + payload)
 
     def flush(self) -> None:
-        if self._file is None or not self._pending:
+        """Write the events of every whole step held (those after the last boundary wait).
+
+        A flush cut short (Ctrl-C lands inside it) may have left half a record and half-updated
+        books, so the writer then writes nothing more: the file reads up to its last whole
+        record, and the reader drops the torn one."""
+        if self._file is None or not self._steps or self._interrupted:
             return
-        self._file.write("\n".join(self._pending) + "\n")
+        self._interrupted = True  # until this flush has written everything
+        events = self._events
+        cut = len(events)
+        while type(events[cut - 1]) is not StepSnapshot:
+            cut -= 1
+        done, self._events = events[:cut], events[cut:]
+        prompts, encoded = self._encode(done)
+        last_step = done[-1].step
+        if prompts:
+            self._record(b"P", prompts[0][0], prompts[-1][0], prompts)
+        self._record(b"E", self._first_step, last_step, encoded)
+        self._state.apply_all(done)
+        if last_step - self._last_checkpoint >= CHECKPOINT_EVERY:
+            self._record(b"C", last_step, last_step, self._checkpoint(done[-1]))
+            self._last_checkpoint = last_step
         self._file.flush()
-        self._pending.clear()
+        self._first_step = last_step + 1
+        self._steps = 0
+        self._last_flush = time.monotonic()
+        self._interrupted = False
+
+    def _encode(self, events: list[Event]) -> tuple[list, list]:
+        bs = self.block_size
+        table_len, owner, prompt_len, source = (
+            self._table_len,
+            self._owner,
+            self._prompt_len,
+            self._source,
+        )
+        prompts = []
+        out = []
+        append = out.append
+        for e in events:
+            t = type(e)
+            if t is BlockAllocated:
+                i = table_len.get(e.seq_id, 0)
+                table_len[e.seq_id] = i + 1
+                owner[e.block_id] = (e.seq_id, i)
+                source.pop(e.block_id, None)
+                append((2, e.seq_id, e.block_id))
+            elif t is BlockFreed:
+                table_len[e.seq_id] -= 1
+                append((7, e.seq_id, e.block_id, e.ref_count))
+            elif t is BlockStored:
+                seq_id, i = owner.get(e.block_id, (-1, -1))
+                if seq_id != -1 and (i + 1) * bs <= prompt_len.get(seq_id, 0):
+                    source[e.block_id] = (seq_id, i)
+                    append((4, e.block_id, e.block_hash, e.parent_hash, seq_id, i))
+                else:  # generated tokens: stored here, once
+                    data = _token_bytes(e.token_ids)
+                    source[e.block_id] = data
+                    append((4, e.block_id, e.block_hash, e.parent_hash, -1, data))
+            elif t is BlockHit:
+                table_len[e.seq_id] = table_len.get(e.seq_id, 0) + 1
+                append((3, e.seq_id, e.block_id, e.block_hash, e.kind))
+            elif t is BlockRemoved:
+                source.pop(e.block_id, None)
+                append((5, e.block_id, e.block_hash))
+            elif t is StepSnapshot:
+                append((10, *[getattr(e, f) for f in _FIELDS[StepSnapshot]]))
+            elif t is SequenceAdded:
+                prompt_len[e.seq_id] = len(e.prompt_token_ids)
+                recipe = e.prompt_recipe
+                prompts.append(
+                    (e.seq_id, recipe if recipe is not None else _token_bytes(e.prompt_token_ids))
+                )
+                if recipe is not None:
+                    self._recipes[e.seq_id] = recipe
+                append((0, e.seq_id, e.max_tokens, e.arrival_time))
+            elif t is SequenceFinished:
+                prompt_len.pop(e.seq_id, None)
+                table_len.pop(e.seq_id, None)
+                append(
+                    (
+                        9,
+                        e.seq_id,
+                        e.reason,
+                        e.num_prompt_tokens,
+                        e.num_completion_tokens,
+                        e.num_cached_tokens,
+                    )
+                )
+            elif t is AllBlocksCleared:
+                source.clear()
+                append((6,))
+            else:
+                append((_CODE[t], *[getattr(e, f) for f in _FIELDS[t]]))
+        return prompts, out
+
+    def _checkpoint(self, snapshot: StepSnapshot) -> dict[str, Any]:
+        st = self._state
+        sources = []
+        for b, src in self._source.items():
+            if isinstance(src, tuple):
+                sources.append((b, src[0], src[1]))
+            else:
+                sources.append((b, -1, src))
+        return {
+            "ref_count": np.asarray(st.ref_count, dtype="<i4").tobytes(),
+            "block_hash": st.block_hash,
+            "tables": list(st.block_tables.items()),
+            "sources": sources,
+            "unfinished": list(self._prompt_len),
+            "snapshot": [getattr(snapshot, f) for f in _FIELDS[StepSnapshot]],
+        }
 
     def close(self) -> None:
         if self._file is not None:
@@ -99,40 +313,109 @@ class TraceWriter:
         self.close()
 
 
+# -- reading -----------------------------------------------------------------------------------
+
+
+def _decode(item: list, prompt_of: Callable[[int], Any] | None, bs: int, slice_of) -> Event:
+    """An event from its encoded list; without ``prompt_of``, token ids are left empty."""
+    code = item[0]
+    cls = _CODES[code]
+    if code == _STORED:
+        _, b, h, parent, seq_id, ref = item
+        if prompt_of is None:
+            tokens = []
+        elif seq_id == -1:
+            tokens = _tokens(ref)
+        else:
+            tokens = slice_of(seq_id, ref * bs, (ref + 1) * bs)
+        return BlockStored(b, h, parent, tokens)
+    if code == _ADDED:
+        _, seq_id, max_tokens, arrival = item
+        prompt, recipe = prompt_of(seq_id) if prompt_of is not None else ([], None)
+        return SequenceAdded(seq_id, prompt, max_tokens, arrival, recipe)
+    if code == _SNAPSHOT:
+        snap = StepSnapshot(*item[1:])
+        snap.scheduled = [tuple(x) for x in snap.scheduled]
+        return snap
+    return cls(*item[1:])
+
+
 class TraceReader:
-    """Reads a trace's header at once and its events on demand."""
+    """Reads a trace's header at once, and any step through the nearest checkpoint."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
+        if not self.path.exists():
             raise TraceError(f"{self.path}: no such file")
-        with self._open() as f:
-            self.header = self._parse_header(f.readline())
-
-    def _open(self) -> IO[str]:
+        if not self.path.is_file():
+            raise TraceError(f"{self.path}: not a regular file")
         try:
-            return open(self.path, encoding="utf-8")  # noqa: SIM115
+            with open(self.path, "rb") as f:
+                magic = f.read(len(MAGIC))
         except OSError as e:
             raise TraceError(f"{self.path}: {e.strerror}") from None
-
-    def _parse_header(self, line: str) -> dict[str, Any]:
-        try:
-            header = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            header = None
-        if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
+        self.note: str | None = None  # set when a torn last record was dropped
+        if magic == MAGIC:
+            self._v1 = None
+            self._scan()
+        elif magic[:1] == b"{":
+            self._v1 = _JsonlTrace(self.path)
+            self.header = self._v1.header
+        else:
             raise TraceError(
                 f"{self.path}: not a nanokv trace (write one with `nanokv replay ... --record FILE`)"
             )
-        if header.get("version") != TRACE_VERSION:
+
+    # -- the index ---------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        self.records: list[tuple[bytes, int, int, int, int]] = []  # kind, first, last, at, size
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            at = len(MAGIC)
+            while at < size:
+                f.seek(at)
+                prefix = f.read(_PREFIX.size)
+                if len(prefix) < _PREFIX.size:
+                    self.note = "the last record is torn (the run was cut short); it was left out"
+                    break
+                n, kind, first, last = _PREFIX.unpack(prefix)
+                if kind not in b"HPEC" or at + _PREFIX.size + n > size:
+                    if kind not in b"HPEC" and self.records:
+                        raise TraceError(f"{self.path}: damaged record at byte {at}")
+                    self.note = "the last record is torn (the run was cut short); it was left out"
+                    break
+                self.records.append((kind, first, last, at + _PREFIX.size, n))
+                at += _PREFIX.size + n
+        if not self.records or self.records[0][0] != b"H":
+            raise TraceError(f"{self.path}: the trace has no header record")
+        self.header = self._payload(self.records[0])
+        self._check_header()
+        self._prompt_records = [r for r in self.records if r[0] == b"P"]
+        self._prompt_firsts = [r[1] for r in self._prompt_records]
+        self._prompt_cache: dict[int, dict[int, Any]] = {}
+
+    def _payload(self, record) -> Any:
+        _, _, _, at, n = record
+        with open(self.path, "rb") as f:
+            f.seek(at)
+            data = f.read(n)
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(data)
+            return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except (zstandard.ZstdError, ValueError, msgpack.UnpackException) as e:
+            raise TraceError(f"{self.path}: damaged record at byte {at} ({e})") from None
+
+    def _check_header(self) -> None:
+        h = self.header
+        if not isinstance(h, dict) or h.get("format") != TRACE_FORMAT:
+            raise TraceError(f"{self.path}: not a nanokv trace")
+        if h.get("version") != TRACE_VERSION:
             raise TraceError(
-                f"{self.path}: trace format version {header.get('version')} is not supported "
-                f"(this nanokv reads version {TRACE_VERSION})"
+                f"{self.path}: trace format version {h.get('version')} is not supported "
+                f"(this nanokv reads versions 1 and {TRACE_VERSION})"
             )
-        for key in ("block_size", "num_blocks"):
-            if not isinstance(header.get(key), int) or header[key] < 1:
-                raise TraceError(f"{self.path} line 1: header lacks a valid {key!r}")
-        return header
+        _check_header(self.path, h, TRACE_VERSION)
 
     @property
     def block_size(self) -> int:
@@ -142,27 +425,260 @@ class TraceReader:
     def num_blocks(self) -> int:
         return self.header["num_blocks"]
 
-    def events(self) -> Iterator[Event]:
-        with self._open() as f:
-            f.readline()
-            for n, line in enumerate(f, 2):
-                if not line.endswith("\n"):
-                    return  # the writer was killed mid-line: the file ends at the last whole step
-                if line.strip():
-                    yield self._parse_event(line, n)
+    # -- prompts -----------------------------------------------------------------------------
 
-    def _parse_event(self, line: str, n: int) -> Event:
+    def _prompts_of(self, seq_id: int) -> dict[int, Any]:
+        # Prompt records come in seq-id order (an engine numbers requests as they arrive).
+        i = bisect.bisect_right(self._prompt_firsts, seq_id) - 1
+        if i >= 0 and seq_id <= self._prompt_records[i][2]:
+            rec = self._prompt_records[i]
+            got = self._prompt_cache.get(rec[3])
+            if got is None:
+                got = self._prompt_cache[rec[3]] = dict(self._payload(rec))
+            if seq_id in got:
+                return got
+        raise TraceError(f"{self.path}: the prompt of sequence {seq_id} is missing")
+
+    def prompt(self, seq_id: int) -> tuple[array, list | None]:
+        """A sequence's prompt tokens (a compact array), and its recipe if it was synthesized."""
+        entry = self._prompts_of(seq_id)[seq_id]
+        if isinstance(entry, bytes):
+            return _tokens(entry), None
+        from .engine.mooncake import SynthesizedPrompt
+
+        return SynthesizedPrompt.from_recipe(entry)(), entry
+
+    def prompt_slice(self, seq_id: int, start: int, end: int) -> list[int]:
+        entry = self._prompts_of(seq_id)[seq_id]
+        if isinstance(entry, bytes):
+            return _tokens(entry[4 * start : 4 * end])
+        from .engine.mooncake import MOONCAKE_BLOCK_SIZE, synthesize_tokens
+
+        _, hash_ids, _, vocab = entry
+        lo, hi = start // MOONCAKE_BLOCK_SIZE, -(-end // MOONCAKE_BLOCK_SIZE)
+        part = synthesize_tokens(hash_ids[lo:hi], (hi - lo) * MOONCAKE_BLOCK_SIZE, vocab)
+        off = lo * MOONCAKE_BLOCK_SIZE
+        return part[start - off : end - off]
+
+    def _resolve_sources(self, state: CacheState, sources: list) -> None:
+        """Fill ``state.block_tokens`` from a checkpoint's block sources, synthesizing every
+        recipe-made block in one batch (a cache can hold thousands of them)."""
+        from .engine.mooncake import MOONCAKE_BLOCK_SIZE as M
+        from .engine.mooncake import synthesize_tokens
+
+        bs = self.block_size
+        wanted: list[tuple[int, int, int]] = []  # block, start in the batch, its first id
+        ids: list[int] = []
+        vocab = 32000
+        for b, seq_id, ref in sources:
+            if seq_id == -1:
+                state.block_tokens[b] = _tokens(ref)
+                continue
+            entry = self._prompts_of(seq_id)[seq_id]
+            start, end = ref * bs, (ref + 1) * bs
+            if isinstance(entry, bytes):
+                state.block_tokens[b] = _tokens(entry[4 * start : 4 * end])
+                continue
+            lo, hi = start // M, -(-end // M)
+            if entry[3] != vocab:  # made with another vocabulary: not part of the batch
+                state.block_tokens[b] = self.prompt_slice(seq_id, start, end)
+                continue
+            wanted.append((b, len(ids) * M + start - lo * M, end - start))
+            ids.extend(entry[1][lo:hi])
+        if wanted:
+            tokens = synthesize_tokens(ids, len(ids) * M, vocab)
+            for b, at, n in wanted:
+                state.block_tokens[b] = tokens[at : at + n]
+
+    # -- events and states -------------------------------------------------------------------
+
+    def _decoded(self, record, tokens: bool = True) -> list[Event]:
+        bs = self.block_size
+        items = self._payload(record)
+        prompt_of = self.prompt if tokens else None
+        n = self.num_blocks
         try:
-            return event_from_dict(json.loads(line))
+            events = [_decode(it, prompt_of, bs, self.prompt_slice) for it in items]
+            for event in events:
+                _check_event(event, n)
+            return events
+        except (TypeError, ValueError, IndexError) as e:
+            raise TraceError(f"{self.path}: a record does not hold trace events ({e})") from None
+
+    def events(self, tokens: bool = True) -> Iterator[Event]:
+        """Every event of every whole step, in order. ``tokens=False`` leaves prompts and
+        stored blocks' token ids empty, for readers that only follow the books (much faster
+        on a long synthesized trace)."""
+        if self._v1 is not None:
+            yield from self._v1.events()
+            return
+        for rec in self.records:
+            if rec[0] == b"E":
+                yield from self._decoded(rec, tokens)
+
+    def summary(self) -> dict[str, Any]:
+        """Steps, events per type and bytes per record kind, for ``inspect --summary``."""
+        counts: dict[str, int] = {}
+        last = None
+        if self._v1 is not None:
+            for event in self.events():
+                name = type(event).__name__
+                counts[name] = counts.get(name, 0) + 1
+                if type(event) is StepSnapshot:
+                    last = event.step
+        else:
+            codes = [0] * len(_CODES)
+            for rec in self.records:
+                if rec[0] == b"E":
+                    for item in self._payload(rec):
+                        codes[item[0]] += 1
+                    last = rec[2]
+            counts = {cls.__name__: n for cls, n in zip(_CODES, codes) if n}
+        sizes: dict[str, int] = {}
+        for kind, _, _, _, n in getattr(self, "records", []):
+            name = {b"H": "header", b"P": "prompts", b"E": "events", b"C": "checkpoints"}[kind]
+            sizes[name] = sizes.get(name, 0) + n
+        return {
+            "version": self.header.get("version"),
+            "steps": 0 if last is None else last + 1,
+            "events": counts,
+            "num_events": sum(counts.values()),
+            "file_bytes": self.path.stat().st_size,
+            "record_bytes": sizes,
+            "checkpoints": sum(1 for r in getattr(self, "records", []) if r[0] == b"C"),
+        }
+
+    def state_at(self, step: int | None = None) -> CacheState:
+        """The cache as it stood at the end of ``step`` (default: the last recorded step)."""
+        if self._v1 is not None:
+            return self._v1.state_at(step)
+        steps = [r for r in self.records if r[0] == b"E"]
+        if not steps:
+            raise TraceError(f"{self.path}: the trace holds no steps")
+        last = steps[-1][2]
+        if step is None:
+            step = last
+        if step > last:
+            raise TraceError(f"{self.path}: no step {step}; the trace has steps up to {last}")
+        checkpoint = None
+        for rec in self.records:
+            if rec[0] == b"C" and rec[1] <= step:
+                checkpoint = rec
+        state = CacheState(self.num_blocks)
+        start = 0
+        if checkpoint is not None:
+            self._restore(state, self._payload(checkpoint))
+            start = checkpoint[1] + 1
+            if start > step:
+                return state
+        try:
+            for rec in steps:
+                if rec[2] < start or rec[1] > step:
+                    continue  # records hold whole steps and start right after a checkpoint
+                events = self._decoded(rec)
+                if rec[2] > step:  # stop at the end of the asked step
+                    end = next(
+                        i
+                        for i, e in enumerate(events)
+                        if type(e) is StepSnapshot and e.step == step
+                    )
+                    events = events[: end + 1]
+                state.apply_all(events)
+        except (IndexError, ValueError, StopIteration) as e:
+            raise TraceError(f"{self.path}: events do not fit the header's cache ({e})") from None
+        return state
+
+    def replay_from(self, seq_id: int) -> tuple[CacheState, Iterator[Event]]:
+        """For following one request: the cache state at a checkpoint before the request
+        arrived (its block tables; no token ids), and every event from there on."""
+        state = CacheState(self.num_blocks)
+        if self._v1 is not None:
+            return state, self.events()
+        arrival = 0  # the first step of the events record right after its prompt record
+        for i, rec in enumerate(self.records):
+            if rec[0] == b"P" and rec[1] <= seq_id <= rec[2]:
+                arrival = next((r[1] for r in self.records[i:] if r[0] == b"E"), 0)
+                break
+        checkpoint = None
+        for rec in self.records:
+            if rec[0] == b"C" and rec[1] < arrival:
+                checkpoint = rec
+        start = 0
+        if checkpoint is not None:
+            cp = self._payload(checkpoint)
+            state.ref_count = np.frombuffer(cp["ref_count"], dtype="<i4").tolist()
+            state.block_tables = {s: list(t) for s, t in cp["tables"]}
+            start = checkpoint[1] + 1
+
+        def events() -> Iterator[Event]:
+            for rec in self.records:
+                if rec[0] == b"E" and rec[2] >= start:
+                    yield from self._decoded(rec, tokens=False)
+
+        return state, events()
+
+    def _restore(self, state: CacheState, cp: dict[str, Any]) -> None:
+        try:
+            state.ref_count = np.frombuffer(cp["ref_count"], dtype="<i4").tolist()
+            state.block_hash = list(cp["block_hash"])
+            state.block_tables = {s: list(t) for s, t in cp["tables"]}
+            self._resolve_sources(state, cp["sources"])
+            for seq_id in cp["unfinished"]:
+                state.prompts[seq_id] = self.prompt(seq_id)[0]
+            snap = StepSnapshot(*cp["snapshot"])
+            snap.scheduled = [tuple(x) for x in snap.scheduled]
+            state.last_snapshot = snap
+        except (KeyError, TypeError, ValueError) as e:
+            raise TraceError(f"{self.path}: damaged checkpoint ({e})") from None
+
+
+class _JsonlTrace:
+    """Version 1: a JSONL header line, then one event per line (read-only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, encoding="utf-8", errors="replace") as f:
+            line = f.readline()
+        try:
+            header = json.loads(line)
+        except json.JSONDecodeError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
+            raise TraceError(
+                f"{path}: not a nanokv trace (write one with `nanokv replay ... --record FILE`)"
+            )
+        if header.get("version") != 1:
+            raise TraceError(
+                f"{path}: trace format version {header.get('version')} is not supported "
+                f"(this nanokv reads versions 1 and {TRACE_VERSION})"
+            )
+        _check_header(path, header, 1)
+        self.header = header
+
+    def events(self) -> Iterator[Event]:
+        n = 1
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                f.readline()
+                for n, line in enumerate(f, 2):
+                    if not line.endswith("\n"):
+                        return  # killed mid-line: the file ends at the last whole step
+                    if line.strip():
+                        yield self._event(line, n)
+        except UnicodeDecodeError:
+            raise TraceError(f"{self.path} line {n + 1}: not UTF-8 text") from None
+
+    def _event(self, line: str, n: int) -> Event:
+        try:
+            event = event_from_dict(json.loads(line))
+            _check_event(event, self.header["num_blocks"])
+            return event
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise TraceError(f"{self.path} line {n}: not a trace event ({e})") from None
 
     def state_at(self, step: int | None = None) -> CacheState:
-        """The cache as it stood at the end of ``step`` (default: the last recorded step)."""
-        state = CacheState(self.num_blocks)
+        state = CacheState(self.header["num_blocks"])
         last = None
-        # Events after the last snapshot belong to a step cut short (Ctrl-C): hold each step's
-        # events back until its snapshot shows it completed.
         pending: list[Event] = []
         for event in self.events():
             pending.append(event)
@@ -185,6 +701,62 @@ class TraceReader:
         return state
 
 
+# -- export ------------------------------------------------------------------------------------
+
+EXPORT_FORMATS = ("jsonl", "vllm-kv-events")
+
+
+def export(reader: TraceReader, fmt: str, out: IO[bytes]) -> int:
+    """Write the trace's events as ``fmt``; returns the number of records written.
+
+    ``jsonl``: a header line, then one event per line (version 1, readable by any nanokv).
+    ``vllm-kv-events``: vLLM's KV event stream, one msgpack ``EventBatch`` per step that
+    changed the prefix cache, ``{"ts", "events"}`` with tagged ``BlockStored`` /
+    ``BlockRemoved`` / ``AllBlocksCleared`` maps in vLLM's field order, so a consumer of vLLM's
+    events (a KV-aware router, a dashboard) can read what this run's cache did.
+    """
+    if fmt == "jsonl":
+        header = {**reader.header, "version": 1}
+        out.write((json.dumps(header) + "\n").encode())
+        n = 0
+        for event in reader.events():
+            out.write((json.dumps(event_to_dict(event), separators=(",", ":")) + "\n").encode())
+            n += 1
+        return n
+    if fmt != "vllm-kv-events":
+        raise ValueError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
+    bs = reader.block_size
+    start = reader.header.get("created_unix", 0.0)
+    pending: list[dict[str, Any]] = []
+    n = 0
+    for event in reader.events():
+        t = type(event)
+        if t is BlockStored:
+            pending.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [event.block_hash],
+                    "parent_block_hash": None if event.parent_hash == -1 else event.parent_hash,
+                    "token_ids": list(event.token_ids),
+                    "block_size": bs,
+                    "lora_id": None,
+                    "medium": None,
+                    "lora_name": None,
+                }
+            )
+        elif t is BlockRemoved:
+            pending.append(
+                {"type": "BlockRemoved", "block_hashes": [event.block_hash], "medium": None}
+            )
+        elif t is AllBlocksCleared:
+            pending.append({"type": "AllBlocksCleared"})
+        elif t is StepSnapshot and pending:
+            out.write(msgpack.packb({"ts": start + event.clock, "events": pending}))
+            pending = []
+            n += 1
+    return n
+
+
 def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
     """Every prefix-cache lookup of request ``seq_id`` in a trace, block by block.
 
@@ -194,14 +766,14 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
     """
     from .report import explain_miss, lookup_record
 
-    state = CacheState(reader.num_blocks)
+    state, events = reader.replay_from(seq_id)
     lookups: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
-    prompt: list[int] | None = None
+    prompt: int | None = None  # its length, from the first lookup
     seen_lookup = False
     step = 0
     bs = reader.block_size
-    for event in reader.events():
+    for event in events:
         t = type(event)
         if t is CacheLookup:
             seen_lookup = True
@@ -219,9 +791,7 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
                 lookups.append(current)
         elif current is not None and getattr(event, "seq_id", None) == seq_id:
             if t is BlockHit:
-                holders = [
-                    s for s, table in state.block_tables.items() if event.block_id in table
-                ]
+                holders = [s for s, table in state.block_tables.items() if event.block_id in table]
                 current["blocks"].append(
                     {"block_id": event.block_id, "hit": event.kind, "held_by": sorted(holders)}
                 )
@@ -231,11 +801,13 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
                 current = None
         elif t is not BlockRemoved:
             current = None  # the lookup's blocks have all been handed out
-        if t is SequenceAdded and event.seq_id == seq_id:
-            prompt = event.prompt_token_ids
+        if t is CacheLookup and event.seq_id == seq_id and event.first:
+            prompt = event.num_tokens
         state.apply(event)
         if t is StepSnapshot:
             step = event.step + 1
+        elif t is SequenceFinished and event.seq_id == seq_id:
+            break  # nothing after this concerns it
     if not seen_lookup:
         raise TraceError(
             f"{reader.path}: this trace has no cache-lookup records (an older nanokv wrote it); "
@@ -243,7 +815,7 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
         )
     if prompt is None:
         raise TraceError(f"{reader.path}: no request {seq_id} in this trace")
-    return {"seq_id": seq_id, "num_prompt_tokens": len(prompt), "lookups": lookups}
+    return {"seq_id": seq_id, "num_prompt_tokens": prompt, "lookups": lookups}
 
 
 def describe_state(
@@ -278,8 +850,8 @@ def describe_state(
                 "ref_count": state.ref_count[b],
                 "hash": None if h == -1 else h,
                 "seq_ids": holders.get(b, []),
-                "token_ids": toks,
-                "text": decode(toks) if decode and toks is not None else None,
+                "token_ids": None if toks is None else list(toks),
+                "text": decode(list(toks)) if decode and toks is not None else None,
             }
         )
     live = set(state.block_tables)
@@ -299,6 +871,6 @@ def describe_state(
             }
             for seq_id, table in sorted(state.block_tables.items())
         ],
-        "waiting": sorted(s for s in state.prompts if s not in live and s not in state.finished),
+        "waiting": sorted(s for s in state.prompts if s not in live),
         "blocks": blocks,
     }

@@ -70,9 +70,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="use this architecture with random weights instead of --model",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU), bfloat16, ..."
-    )
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), bfloat16, ...")
     p.add_argument(
         "--threads",
         type=int,

@@ -45,6 +45,15 @@ def test_equal_hash_ids_give_equal_blocks_and_partial_blocks_are_prefixes():
         ),
         ('{"timestamp": 0, "input_length": 0, "output_length": 5, "hash_ids": []}', "input_length"),
         ('{"timestamp": -1, "input_length": 5, "output_length": 5, "hash_ids": [1]}', "timestamp"),
+        ('{"timestamp": NaN, "input_length": 5, "output_length": 5, "hash_ids": [1]}', "finite"),
+        (
+            '{"timestamp": Infinity, "input_length": 5, "output_length": 5, "hash_ids": [1]}',
+            "finite",
+        ),
+        (
+            '{"timestamp": true, "input_length": 5, "output_length": 5, "hash_ids": [1]}',
+            "timestamp",
+        ),
     ],
 )
 def test_malformed_lines_name_the_line(line, match):

@@ -345,7 +345,7 @@ class BlockManager:
             block.update(h, token_ids)
             self.hash_to_block_id[h] = block.block_id
             parent = seq.block_hashes[i - 1] if i else -1
-            explainer.stored(block.block_id, h, parent, token_ids[0])
+            explainer.stored(h, parent, token_ids[0])
             if self.on_event:
                 self.on_event(BlockStored(block.block_id, h, parent, token_ids))
         explainer.progressed(self, seq, start, end)

@@ -22,6 +22,7 @@ class SequenceAdded:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_time: float
+    prompt_recipe: list | None = None  # how the prompt was made, when it was synthesized
 
 
 @dataclass(slots=True)
@@ -101,7 +102,7 @@ class SequencePreempted:
 @dataclass(slots=True)
 class SequenceFinished:
     seq_id: int
-    reason: Literal["stop", "length"]
+    reason: Literal["stop", "length", "abort"]
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
@@ -201,9 +202,8 @@ class CacheState:
         self.block_hash = [-1] * num_blocks
         self.block_tokens: dict[int, list[int]] = {}
         self.block_tables: dict[int, list[int]] = {}
-        self.prompts: dict[int, list[int]] = {}
+        self.prompts: dict[int, list[int]] = {}  # of the sequences that have not finished
         self.last_snapshot: StepSnapshot | None = None
-        self.finished: set[int] = set()
 
     def apply(self, event: Event) -> None:
         self.apply_all((event,))
@@ -257,7 +257,7 @@ class CacheState:
                 elif t is SequenceAdded:
                     self.prompts[event.seq_id] = event.prompt_token_ids
                 elif t is SequenceFinished:
-                    self.finished.add(event.seq_id)
+                    self.prompts.pop(event.seq_id, None)
                 elif t is AllBlocksCleared:
                     block_hash[:] = [-1] * self.num_blocks
                     tokens.clear()

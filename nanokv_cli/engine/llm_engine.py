@@ -88,7 +88,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        prompt_recipe: list | None = None,
     ) -> int:
+        """Queue a request; its id (0, 1, ... per engine). ``prompt_recipe`` optionally says how
+        the prompt was made (e.g. a Mooncake request's hash ids), so traces can store that."""
         seq = Sequence(
             prompt_token_ids,
             sampling_params or SamplingParams(),
@@ -101,7 +104,9 @@ class LLMEngine:
             seq.seq_id, [], [], False, None, seq.num_prompt_tokens, 0, now, None
         )
         if self.events:
-            self.events(SequenceAdded(seq.seq_id, seq.prompt_token_ids, seq.max_tokens, now))
+            self.events(
+                SequenceAdded(seq.seq_id, seq.prompt_token_ids, seq.max_tokens, now, prompt_recipe)
+            )
         return seq.seq_id
 
     def has_unfinished_requests(self) -> bool:

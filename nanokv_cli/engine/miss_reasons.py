@@ -18,8 +18,9 @@ reasons, tested in this order (the first that applies wins; ``block_manager.MISS
 What it keeps: the next block each prefilling sequence is computing (its claim, which
 ``in-flight`` and the scheduler's in-batch sharing test), the evicted hashes (one int each,
 the latest eviction wins), and for ``partial`` the newest continuation of each prefix, a
-registered block (checked to still hold it when asked) or a prompt's partial last block (its
-tokens), pruned oldest first past a few times the cache's block count.
+registered block's hash (looked up again when asked: an evicted one no longer counts) or a
+prompt's partial last block (its tokens), pruned oldest first past a few times the cache's
+block count.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ class MissExplainer:
         self._max_known = 4 * num_blocks
         self._pending: dict[int, int] = {}  # hash -> block being computed for it
         self._evicted_at: dict[int, int] = {}  # hash -> step it was last evicted at
-        # (parent hash, first token) -> a known continuation of that prefix: a registered
-        # block as (block id, its hash), or a partial last block's prompt tokens.
-        self._known: dict[tuple[int, int], tuple[int, int] | list[int]] = {}
+        # _key(parent hash, first token) -> a known continuation of that prefix: a registered
+        # block's hash, or a partial last block's prompt tokens. Ints and arrays only, no
+        # tuples: one entry per block computed, and tuples would feed the garbage collector.
+        self._known: dict[int, int | list[int]] = {}
+        # Called for every eviction: the dict's own C method, no Python frame in between.
+        self.evicted = self._evicted_at.__setitem__  # (hash, step)
 
     # -- questions ---------------------------------------------------------------------------
 
@@ -74,14 +78,14 @@ class MissExplainer:
         parent prefix that starts with the same token (0 if there is none)."""
         bs = self.block_size
         tokens = seq.token_ids[k * bs : (k + 1) * bs]
-        known = self._known.get((seq.block_hashes[k - 1] if k else -1, tokens[0]))
+        known = self._known.get(_key(seq.block_hashes[k - 1] if k else -1, tokens[0]))
         if known is None:
             return 0
-        if isinstance(known, tuple):
-            block = bm.blocks[known[0]]
-            if block.hash != known[1]:
-                return 0  # the block was reused since: its content is gone
-            known = block.token_ids
+        if isinstance(known, int):
+            block_id = bm.hash_to_block_id.get(known)
+            if block_id is None:
+                return 0  # evicted since: its content is gone
+            known = bm.blocks[block_id].token_ids
         n = 0
         for x, y in zip(tokens, known):
             if x != y:
@@ -98,7 +102,7 @@ class MissExplainer:
         full = seq.num_tokens // bs
         if full < len(seq.block_table):  # a partial last block: remember what the prompt holds
             tail = seq.token_ids[full * bs :]  # a copy (list or int64 array)
-            self._known[(bm._block_hash(seq, full - 1) if full else -1, tail[0])] = tail
+            self._known[_key(bm._block_hash(seq, full - 1) if full else -1, tail[0])] = tail
 
     def _claim_next(self, bm: BlockManager, seq: Sequence, i: int) -> None:
         # Only a sequence's next uncomputed full block is claimed: a follower waits for the
@@ -116,11 +120,9 @@ class MissExplainer:
             for key in list(self._known)[: len(self._known) // 2]:
                 del self._known[key]
 
-    def stored(self, block_id: int, block_hash: int, parent_hash: int, first_token: int) -> None:
-        self._known[(parent_hash, first_token)] = (block_id, block_hash)
-
-    def evicted(self, block_hash: int, step: int) -> None:
-        self._evicted_at[block_hash] = step
+    def stored(self, block_hash: int, parent_hash: int, first_token: int) -> None:
+        # _key, inlined: this runs for every block registered.
+        self._known[(parent_hash * _MIX + first_token) & _MASK] = block_hash
 
     def released(self, seq: Sequence) -> None:
         """``seq`` lets go of its blocks: the block it claimed will not be computed by it."""
@@ -133,3 +135,12 @@ class MissExplainer:
     def cleared(self) -> None:
         self._evicted_at.clear()
         self._known.clear()
+
+
+_MIX, _MASK = 0x9E3779B97F4A7C15, 0xFFFFFFFFFFFFFFFF
+
+
+def _key(parent_hash: int, first_token: int) -> int:
+    # One int for the pair; a collision only makes ``partial`` compare against the wrong
+    # block, and the token comparison then finds nothing in common.
+    return (parent_hash * _MIX + first_token) & _MASK

@@ -10,6 +10,7 @@ Tokens are made per request, on demand, so a whole trace never sits in memory.
 from __future__ import annotations
 
 import json
+import math
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +45,29 @@ def synthesize_tokens(hash_ids: list[int], input_length: int, vocab_size: int = 
 
 
 @dataclass(frozen=True)
+class SynthesizedPrompt:
+    """A prompt known by its recipe: call it for the tokens. Traces store the recipe (a few
+    hash ids) instead of the tokens, which for a whole trace would be ~10^8 of them."""
+
+    hash_ids: tuple[int, ...]
+    input_length: int
+    vocab_size: int = 32000
+
+    def __call__(self) -> array:
+        return synthesize_tokens(list(self.hash_ids), self.input_length, self.vocab_size)
+
+    def recipe(self) -> list:
+        return ["mooncake", list(self.hash_ids), self.input_length, self.vocab_size]
+
+    @classmethod
+    def from_recipe(cls, recipe: list) -> SynthesizedPrompt:
+        kind, hash_ids, input_length, vocab_size = recipe
+        if kind != "mooncake":
+            raise ValueError(f"unknown prompt recipe {kind!r}")
+        return cls(tuple(hash_ids), input_length, vocab_size)
+
+
+@dataclass(frozen=True)
 class MooncakeRequest:
     line: int
     timestamp: float  # seconds since the trace's start
@@ -54,6 +78,10 @@ class MooncakeRequest:
     def prompt_token_ids(self, vocab_size: int = 32000) -> array:
         return synthesize_tokens(list(self.hash_ids), self.input_length, vocab_size)
 
+    @property
+    def prompt(self) -> SynthesizedPrompt:
+        return SynthesizedPrompt(self.hash_ids, self.input_length)
+
 
 def parse_mooncake_line(text: str, line: int) -> MooncakeRequest:
     try:
@@ -63,8 +91,9 @@ def parse_mooncake_line(text: str, line: int) -> MooncakeRequest:
     if not isinstance(d, dict) or any(k not in d for k in _KEYS):
         raise MalformedTraceError(f"line {line}: expected the keys {', '.join(_KEYS)}")
     ts, n_in, n_out, ids = (d[k] for k in _KEYS)
-    if not isinstance(ts, int | float) or ts < 0:
-        raise MalformedTraceError(f"line {line}: timestamp must be a non-negative number")
+    if type(ts) not in (int, float) or not math.isfinite(ts) or ts < 0:
+        # json reads NaN and Infinity: a NaN arrival never comes, and replay would wait forever.
+        raise MalformedTraceError(f"line {line}: timestamp must be a finite non-negative number")
     for name, v in (("input_length", n_in), ("output_length", n_out)):
         if not isinstance(v, int) or v < 1:
             raise MalformedTraceError(f"line {line}: {name} must be a positive integer, got {v!r}")

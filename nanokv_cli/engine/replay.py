@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from .llm_engine import LLMEngine, RequestOutput
+from .mooncake import SynthesizedPrompt
 from .sampling_params import SamplingParams
 from .scheduler import RequestRejected
 
@@ -82,8 +83,12 @@ def replay(
             if nxt.arrival_time < last_arrival:
                 raise ValueError("requests must come in order of arrival time")
             last_arrival = nxt.arrival_time
+            source = nxt.prompt_token_ids
+            recipe = source.recipe() if isinstance(source, SynthesizedPrompt) else None
             try:
-                seq_id = engine.add_request(nxt.tokens(), nxt.sampling_params, nxt.arrival_time)
+                seq_id = engine.add_request(
+                    nxt.tokens(), nxt.sampling_params, nxt.arrival_time, prompt_recipe=recipe
+                )
             except RequestRejected as e:
                 if on_rejected is None:
                     raise

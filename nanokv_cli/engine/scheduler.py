@@ -243,5 +243,15 @@ class Scheduler:
                     self.block_manager.deallocate(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
+                    if self.on_event:
+                        self.on_event(
+                            SequenceFinished(
+                                seq.seq_id,
+                                "abort",
+                                seq.num_prompt_tokens,
+                                seq.num_completion_tokens,
+                                max(0, seq.num_prefix_hit_tokens),
+                            )
+                        )
                     return True
         return False

@@ -77,7 +77,10 @@ def _sequences_table(info: dict[str, Any], state: CacheState) -> RenderableType:
     table.add_column(
         "block table: logical → physical (shared blocks coloured)", overflow="fold", ratio=1
     )
-    for seq in info["sequences"]:
+    more = len(info["sequences"]) - MAX_ROWS
+    if more > 0:
+        table.caption = f"… {more:,} more sequences not shown (--json lists them all)"
+    for seq in info["sequences"][:MAX_ROWS]:
         cells = Text()
         for b in seq["block_table"]:
             rc = state.ref_count[b]
@@ -89,9 +92,15 @@ def _sequences_table(info: dict[str, Any], state: CacheState) -> RenderableType:
     return table
 
 
+# A terminal shows this many rows of a table; --json has them all (a cache can hold 10^4 blocks).
+MAX_ROWS = 200
+
+
 def _blocks_table(info: dict[str, Any]) -> RenderableType:
     if not info["blocks"]:
         return Text("every block is free and clean", style="dim")
+    blocks = info["blocks"]
+    more = len(blocks) - MAX_ROWS
     table = Table(
         title="Blocks (all but free-and-clean)",
         title_justify="left",
@@ -104,7 +113,9 @@ def _blocks_table(info: dict[str, Any]) -> RenderableType:
     table.add_column("hash", no_wrap=True)
     table.add_column("seqs", no_wrap=True, max_width=16, overflow="ellipsis")
     table.add_column("text", no_wrap=True, overflow="ellipsis", ratio=1)
-    for b in info["blocks"]:
+    if more > 0:
+        table.caption = f"… {more:,} more blocks not shown (--json lists them all)"
+    for b in blocks[:MAX_ROWS]:
         glyph, style = block_cell(b["ref_count"], -1 if b["hash"] is None else b["hash"])
         table.add_row(
             str(b["block_id"]),
