@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from . import __version__
+from .driver import EngineClock, PromptEncoder, RunError, build_requests, dry_run_engine
 
 # The loader imports torch only when weights are read: dry runs and inspect stay light.
 from .engine.loader import ModelLoadError, default_model_path, load_tokenizer
@@ -159,42 +160,7 @@ def model_label(model: str | None) -> str:
     return str(Path(model).expanduser().resolve()) if model else default_model_path()
 
 
-class PromptEncoder:
-    """Token ids of prompt-file requests; loads the tokenizer only if some request has text."""
-
-    def __init__(self, model: str | None, chat: bool, tokenizer=None) -> None:
-        self.model = model
-        self.chat = chat
-        self._tokenizer = tokenizer
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model)
-        return self._tokenizer
-
-    @property
-    def loaded(self) -> bool:
-        return self._tokenizer is not None
-
-    def text(self, prompt: str) -> list[int]:
-        if self.chat:
-            return self.messages([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
-
-    def messages(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # The template already wrote every special token the model expects.
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def request(self, req: PromptRequest) -> list[int] | Callable[[], list[int]]:
-        if req.token_source is not None:
-            return req.token_source
-        if req.prompt_token_ids is not None:
-            return req.prompt_token_ids
-        if req.messages is not None:
-            return self.messages(req.messages)
-        return self.text(req.prompt or "")
+# PromptEncoder lives in the driver (prompt encoding is part of running requests).
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -492,57 +458,65 @@ def _prompt_args(prompts: list[str] | None) -> list[str]:
 def _run_generate(
     llm, texts: list[str], defaults: SamplingParams, chat: bool, live: bool, json_out: bool
 ) -> list[dict[str, Any]]:
-    from .engine.llm_engine import RequestRejected
+    from .driver import Arrivals, Driver, Request, live_view
     from .engine.tokenizer import IncrementalDecoder
-    from .views.live import LiveView
 
     engine, tokenizer = llm.engine, llm.tokenizer
     encoder = PromptEncoder(None, chat, tokenizer=tokenizer)
-    seq_ids = []
-    for i, text in enumerate(texts):
-        try:
-            seq_ids.append(engine.add_request(encoder.text(text), defaults))
-        except RequestRejected as e:
-            prefix = f"prompt {i + 1}: " if len(texts) > 1 else ""
-            raise CliError(f"{prefix}{e}") from None
-    decoders = {s: IncrementalDecoder(tokenizer) for s in seq_ids}
-    pieces: dict[int, list[str]] = {s: [] for s in seq_ids}
-    finals: dict[int, Any] = {}
+    clock = EngineClock(engine)
+    index: dict[int, int] = {}  # seq_id -> prompt index
+
+    def on_rejected(req, error: Exception) -> None:
+        prefix = f"prompt {req.tag + 1}: " if len(texts) > 1 else ""
+        raise RunError(f"{prefix}{error}")
+
+    driver = Driver(
+        engine,
+        clock,
+        max_waiting=math.inf,  # every prompt is admitted (or rejected) before the first step
+        on_added=lambda seq_id, req: index.__setitem__(seq_id, req.tag),
+        on_rejected=on_rejected,
+    )
+    source = Arrivals(
+        [Request(encoder.text(text), defaults, 0.0, tag=i) for i, text in enumerate(texts)],
+        start=clock(),
+    )
+    driver.admit(source)
+    decoders = [IncrementalDecoder(tokenizer) for _ in texts]
+    pieces: list[list[str]] = [[] for _ in texts]
+    finals: list[Any] = [None] * len(texts)
     streaming = not live and not json_out
-    printer = _OrderedPrinter(seq_ids, texts) if streaming else None
+    printer = _OrderedPrinter(texts) if streaming else None
     t0 = time.perf_counter()
     with ExitStack() as stack:
         view = None
         if live:
-            view = LiveView(
-                engine.num_blocks,
-                engine.block_size,
-                console=stdout_console(),
-                title="nanokv generate",
-                total_requests=len(texts),
-                show_text=True,
-                transient=True,
+            view = stack.enter_context(
+                live_view(
+                    engine,
+                    stdout_console(),
+                    title="nanokv generate",
+                    total_requests=len(texts),
+                    show_text=True,
+                    transient=True,
+                )
             )
-            stack.callback(view.attach(engine.events))
-            stack.enter_context(view)
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
+        for outputs in driver.run(source):
             for out in outputs:
-                piece = "".join(decoders[out.seq_id].add(t) for t in out.new_token_ids)
+                i = index[out.seq_id]
+                piece = "".join(decoders[i].add(t) for t in out.new_token_ids)
                 if out.finished:
-                    piece += decoders[out.seq_id].flush()
-                    finals[out.seq_id] = out
-                pieces[out.seq_id].append(piece)
+                    piece += decoders[i].flush()
+                    finals[i] = out
+                pieces[i].append(piece)
                 if view is not None:
-                    view.set_text(out.seq_id, "".join(pieces[out.seq_id]))
+                    view.set_text(out.seq_id, "".join(pieces[i]))
                 if printer is not None:
-                    printer.add(out.seq_id, piece, out.finished)
+                    printer.add(i, piece, out.finished)
             if view is not None:
                 view.tick()
     elapsed = time.perf_counter() - t0
-    results = [
-        _generate_result(texts[i], "".join(pieces[s]), finals[s]) for i, s in enumerate(seq_ids)
-    ]
+    results = [_generate_result(texts[i], "".join(pieces[i]), finals[i]) for i in range(len(texts))]
     if live and not json_out:
         _print_texts(texts, results)
     if not json_out:
@@ -554,19 +528,19 @@ class _OrderedPrinter:
     """Streams outputs to stdout in prompt order: the first one live, each next one as soon
     as those before it are complete."""
 
-    def __init__(self, seq_ids: list[int], texts: list[str]) -> None:
-        self.queue = list(seq_ids)
-        self.texts = dict(zip(seq_ids, texts))
-        self.pending: dict[int, list[str]] = {s: [] for s in seq_ids}
+    def __init__(self, texts: list[str]) -> None:
+        self.queue = list(range(len(texts)))
+        self.texts = texts
+        self.pending: list[list[str]] = [[] for _ in texts]
         self.done: set[int] = set()
-        self.many = len(seq_ids) > 1
-        self.open: int | None = None  # the sequence whose header is written
+        self.many = len(texts) > 1
+        self.open: int | None = None  # the prompt whose header is written
         self.printed = 0
 
-    def add(self, seq_id: int, piece: str, finished: bool) -> None:
-        self.pending[seq_id].append(piece)
+    def add(self, i: int, piece: str, finished: bool) -> None:
+        self.pending[i].append(piece)
         if finished:
-            self.done.add(seq_id)
+            self.done.add(i)
         while self.queue:
             head = self.queue[0]
             if self.open != head:
@@ -579,11 +553,11 @@ class _OrderedPrinter:
             self.queue.pop(0)
         sys.stdout.flush()
 
-    def _header(self, seq_id: int) -> None:
+    def _header(self, i: int) -> None:
         if self.many:
             sep = "\n" if self.printed else ""
-            sys.stdout.write(f"{sep}--- {self.texts[seq_id]!r}\n")
-        self.open = seq_id
+            sys.stdout.write(f"{sep}--- {self.texts[i]!r}\n")
+        self.open = i
         self.printed += 1
 
 
@@ -633,46 +607,6 @@ class ReplayInterrupted(Exception):
         self.report = report
 
 
-def build_requests(
-    pf: PromptFile, encoder: PromptEncoder, defaults: SamplingParams, rate: float | None
-) -> list:
-    """Engine requests in arrival order: the file's timestamps, a Poisson ``rate``, or all at 0."""
-    from .engine.replay import Request, all_at_once, at_rate
-
-    requests = []
-    for r in pf.requests:
-        try:
-            tokens = encoder.request(r)
-        except ValueError as e:
-            raise CliError(f"{pf.path} line {r.line}: {e}") from None
-        requests.append(
-            Request(tokens, r.sampling_params(defaults), r.timestamp or 0.0, tag=r.line)
-        )
-    if rate is not None:
-        if math.isinf(rate):
-            return list(all_at_once(requests))
-        return list(at_rate(requests, rate))
-    if pf.has_timestamps:
-        return sorted(requests, key=lambda q: q.arrival_time)
-    return list(all_at_once(requests))
-
-
-def dry_run_engine(block_size: int, num_blocks: int, **limits: Any):
-    """An engine on the model-free executor and its virtual clock."""
-    from .engine.dry_run import DryRunExecutor, VirtualClock
-    from .engine.llm_engine import LLMEngine
-
-    clock = VirtualClock()
-    engine = LLMEngine(
-        DryRunExecutor(clock=clock),
-        num_blocks=num_blocks,
-        block_size=block_size,
-        clock=clock,
-        **limits,
-    )
-    return engine, clock
-
-
 @contextmanager
 def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
     if not enabled:
@@ -702,63 +636,28 @@ def run_replay(
     label: str | None = None,
 ) -> dict[str, Any]:
     """Replay ``requests`` on ``engine`` to the end; return the run's report."""
-    from .report import RunStats
+    from .driver import Run
 
-    with ExitStack() as files:
-        records = None
-        if per_request is not None:
-            records = files.enter_context(_open_output(per_request, "--per-request"))
-
-            def write_record(rec: dict[str, Any]) -> None:
-                records.write(json.dumps(rec) + "\n")
-                records.flush()  # one line per request as it finishes: Ctrl-C loses nothing
-
-        stats = RunStats(infinite, on_request=write_record if records else None)
+    with Run(
+        engine,
+        clock,
+        config=config,
+        latencies=latencies,
+        record=record,
+        per_request=per_request,
+        infinite=infinite,
+    ) as run:
         return _run_replay(
-            engine,
-            clock,
-            requests,
-            stats,
-            config=config,
-            latencies=latencies,
-            live=live,
-            progress=progress,
-            record=record,
-            transient=transient,
-            label=label,
+            run, requests, live=live, progress=progress, transient=transient, label=label
         )
 
 
-@contextmanager
-def _open_output(path: Path, flag: str) -> Iterator[IO[str]]:
-    """Open an output file before the run starts, so a bad path fails at once, by name."""
-    try:
-        f = open(path, "w", encoding="utf-8")  # noqa: SIM115
-    except OSError as e:
-        raise CliError(f"cannot write {flag} {path}: {e.strerror or e}") from None
-    with f:
-        yield f
-
-
 def _run_replay(
-    engine,
-    clock,
-    requests: list,
-    stats,
-    *,
-    config: dict[str, Any],
-    latencies: bool,
-    live: bool,
-    progress: bool,
-    record: Path | None,
-    transient: bool,
-    label: str | None,
+    run, requests: list, *, live: bool, progress: bool, transient: bool, label: str | None
 ) -> dict[str, Any]:
-    from .engine.replay import Request, replay
-    from .trace import TraceWriter, make_header
-    from .views.live import LiveView
+    from .driver import Arrivals, Driver, live_view
 
-    unsubscribe = [engine.events.subscribe(stats)]
+    engine, config = run.engine, run.config
     rejected: list[str] = []
 
     def on_rejected(req, error: Exception) -> None:
@@ -769,67 +668,44 @@ def _run_replay(
                 f"nanokv: skipped {config['file']} line {req.tag}{where}: {error}", file=sys.stderr
             )
 
-    t0, start = time.perf_counter(), clock()
-    if start:  # a model engine's clock has run since it was built: arrivals count from now
-        requests = [
-            Request(r.prompt_token_ids, r.sampling_params, r.arrival_time + start, r.tag)
-            for r in requests
-        ]
-
-    def report(interrupted: bool = False) -> dict[str, Any]:
-        return stats.report(
-            duration=clock() - start,
-            wall_time=time.perf_counter() - t0,
-            **config,
-            num_blocks=engine.num_blocks,
-            rejected=len(rejected),
-            interrupted=interrupted,
-        )
-
+    driver = Driver(
+        engine,
+        run.clock,
+        on_added=lambda seq_id, req: run.tag(seq_id, line=req.tag),
+        on_rejected=on_rejected,
+    )
     with ExitStack() as stack:
-        for u in unsubscribe:
-            stack.callback(u)
-        if record is not None:
-            header = make_header(
-                block_size=engine.block_size,
-                num_blocks=engine.num_blocks,
-                model=config.get("model"),
-                dry_run=config.get("dry_run", False),
-                source=config["file"],
-            )
-            writer = stack.enter_context(TraceWriter(record, header))
-            stack.callback(engine.events.subscribe(writer))
+        view = None
         if live:
-            title = f"nanokv replay {Path(config['file']).name}"
-            view = LiveView(
-                engine.num_blocks,
-                engine.block_size,
-                console=stdout_console(),
-                title=title,
-                total_requests=len(requests),
-                transient=transient,
+            view = stack.enter_context(
+                live_view(
+                    engine,
+                    stdout_console(),
+                    title=f"nanokv replay {Path(config['file']).name}",
+                    total_requests=len(requests),
+                    transient=transient,
+                )
             )
-            stack.callback(view.attach(engine.events))
-            stack.enter_context(view)
         advance = stack.enter_context(_progress(len(requests), progress and not live))
-        tick = view.tick if live else None
+        tick = view.tick if view is not None else None
         try:
-            tag = lambda seq_id, req: stats.tag(seq_id, line=req.tag)  # noqa: E731
-            for outputs in replay(engine, requests, clock, on_added=tag, on_rejected=on_rejected):
-                if latencies:
-                    stats.observe(outputs, engine.clock)
+            # Arrival times count from the run's start (a model engine's clock has run since
+            # it was built).
+            for outputs in driver.run(Arrivals(requests, start=run.start)):
+                run.observe(outputs)
                 if outputs:
-                    advance(stats.finished)
+                    advance(run.stats.finished)
                 if tick is not None:
                     tick()
         except KeyboardInterrupt:
-            raise ReplayInterrupted(report(interrupted=True)) from None
+            report = run.report(rejected=len(rejected), interrupted=True)
+            raise ReplayInterrupted(report) from None
     if len(rejected) > 3:
         where = f" ({label})" if label else ""
         print(f"nanokv: skipped {len(rejected)} requests in all{where}", file=sys.stderr)
-    if rejected and not stats.requests:
+    if rejected and not run.stats.requests:
         raise CliError(f"every request was rejected; the first: {rejected[0]}")
-    return report()
+    return run.report(rejected=len(rejected), interrupted=False)
 
 
 @app.command("replay")
@@ -1007,7 +883,7 @@ def replay_cmd(
                 config["block_size"] = llm.engine.block_size
                 config["prefix_caching"] = limits["enable_prefix_caching"]
                 config["quantization"] = llm.quantization or "none"
-                clock = _wall_clock(llm.engine)
+                clock = EngineClock(llm.engine)
                 reports.append(
                     run_replay(
                         llm.engine,
@@ -1087,21 +963,6 @@ def _dry_runs(
         )
 
 
-def _wall_clock(engine):
-    """A wall clock the replay driver can wait on, reading the engine's own clock."""
-
-    class EngineWallClock:
-        def __call__(self) -> float:
-            return engine.clock
-
-        def wait_until(self, t: float) -> None:
-            delay = t - engine.clock
-            if delay > 0:
-                time.sleep(delay)
-
-    return EngineWallClock()
-
-
 def _write_report(path: Path, reports: list[dict[str, Any]], several: bool) -> None:
     from .report import write_json_atomic
 
@@ -1123,6 +984,145 @@ def _print_reports(reports: list[dict[str, Any]], several: bool, json_out: bool)
         console.print(summary_table(reports[0]))
 
 
+# -- serve -------------------------------------------------------------------------------------
+
+
+@app.command("serve")
+def serve_cmd(
+    model: ModelOpt = None,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Address to listen on: loopback by default; 0.0.0.0 for every interface."
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="TCP port; 0 takes a free one (printed at start).")
+    ] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="NANOKV_API_KEY",
+            show_envvar=True,
+            help="Require `Authorization: Bearer KEY` on every endpoint but /health (the "
+            "environment variable keeps the key out of the process list).",
+            show_default=False,
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(
+            "--served-model-name",
+            help="The model name clients send. [default: --model as given, else "
+            "SmolLM2-135M-Instruct]",
+            show_default=False,
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens to generate for requests that don't say.")
+    ] = DEFAULT_MAX_TOKENS,
+    block_size: Annotated[
+        int, typer.Option(min=1, help="Tokens per KV block.")
+    ] = DEFAULT_BLOCK_SIZE,
+    num_blocks: Annotated[int | None, typer.Option(min=1, help=NumBlocksHelp)] = None,
+    kv_cache_memory: KvMemoryOpt = None,
+    no_prefix_cache: NoPrefixOpt = False,
+    max_num_seqs: MaxSeqsOpt = None,
+    max_num_batched_tokens: MaxBatchedOpt = None,
+    max_model_len: MaxModelLenOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    tensor_parallel_size: TensorParallelOpt = None,
+    quantization: QuantizationOpt = "auto",
+    live: LiveOpt = None,
+    record: Annotated[
+        Path | None,
+        typer.Option(help="Write every cache event to this trace file (for `nanokv inspect`)."),
+    ] = None,
+    report: Annotated[
+        Path | None, typer.Option(help="Write the run's report as JSON to this file on exit.")
+    ] = None,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.0, help="Seconds SIGTERM waits for in-flight requests before aborting them."
+        ),
+    ] = 30.0,
+    debug: DebugOpt = False,
+) -> None:
+    """Serve the OpenAI API (completions, chat, streaming) from one engine, with metrics.
+
+    Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
+    `GET /health`, `GET /metrics` (Prometheus, vLLM's names). Every client's requests are
+    batched continuously by one engine loop; the live view shows their cache on a terminal.
+    SIGTERM stops accepting and finishes in-flight requests (exit 0); Ctrl-C aborts them
+    (exit 130); both write `--record` and `--report`.
+
+    **Examples**
+
+    ```
+    nanokv serve
+    nanokv serve --port 8080 --block-size 16 --record serve.trace --report serve.json
+    NANOKV_API_KEY=secret nanokv serve --host 0.0.0.0
+    ```
+    """
+    from .engine.loader import DEFAULT_MODEL_FILE
+
+    if kv_cache_memory:
+        parse_size(kv_cache_memory)
+    check_model_flags(dtype, device, quantization)
+    if api_key is not None and not api_key.strip():
+        raise typer.BadParameter("the API key is empty", param_hint="--api-key")
+    for path, flag in ((report, "--report"), (record, "--record")):
+        if path is not None and not os.access(path.parent, os.W_OK):
+            raise typer.BadParameter(f"cannot write into {path.parent}", param_hint=flag)
+    live_on = want_live(live, False)
+    with user_errors(debug):
+        from .serve import bind_socket, serve
+        from .views.tables import summary_table
+
+        sock = bind_socket(host, port)  # before loading: a taken port fails at once
+        llm = make_llm(
+            model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=not no_prefix_cache,
+            tensor_parallel_size=tensor_parallel_size,
+            quantization=quantization,
+            **engine_limits(max_num_seqs, max_num_batched_tokens, max_model_len),
+        )
+        config = {
+            "model": llm.model_path,
+            "dry_run": False,
+            "block_size": llm.engine.block_size,
+            "prefix_caching": not no_prefix_cache,
+            "quantization": llm.quantization or "none",
+        }
+        result = serve(
+            llm,
+            sock,
+            model_name=served_model_name or model or DEFAULT_MODEL_FILE.split(".")[0],
+            default_max_tokens=max_tokens,
+            api_key=api_key,
+            config=config,
+            record=record,
+            report=report,
+            live=live_on,
+            console=stdout_console(),
+            shutdown_timeout=shutdown_timeout,
+        )
+        stdout_console().print(summary_table(result.report))
+    if result.exit_code == 130:
+        print("nanokv: interrupted", file=sys.stderr)
+    elif result.exit_code:
+        print("nanokv: error: the engine failed (traceback above)", file=sys.stderr)
+    raise typer.Exit(result.exit_code)
+
+
 # -- inspect -----------------------------------------------------------------------------------
 
 
@@ -1140,6 +1140,19 @@ def inspect(
         int | None,
         typer.Option(
             min=0, help="Step to show (the first is 0). [default: the last]", show_default=False
+        ),
+    ] = None,
+    summary: Annotated[
+        bool, typer.Option("--summary", help="Steps, events per type and bytes of a TRACE.")
+    ] = False,
+    export: Annotated[
+        tuple[str, Path] | None,
+        typer.Option(
+            "--export",
+            metavar="FORMAT FILE",
+            help="Write a TRACE's events to FILE as jsonl (one event per line) or "
+            "vllm-kv-events (vLLM's EventBatch msgpack stream).",
+            show_default=False,
         ),
     ] = None,
     request: Annotated[
@@ -1188,6 +1201,8 @@ def inspect(
     nanokv inspect run.trace
     nanokv inspect run.trace --step 120 --json
     nanokv inspect run.trace --request 3        # why request 3 hit or missed, block by block
+    nanokv inspect run.trace --summary
+    nanokv inspect run.trace --export vllm-kv-events run.kv   # vLLM's KV event stream
     nanokv inspect --prompts prompts.jsonl --block-size 16
     ```
     """
@@ -1202,7 +1217,11 @@ def inspect(
     if fmt not in FORMATS:
         raise typer.BadParameter(f"choose from {', '.join(FORMATS)}", param_hint="--format")
     with user_errors(debug):
-        if request is not None:
+        if export is not None:
+            _export_trace(trace, export[0], export[1])
+        elif summary:
+            _trace_summary(trace, json_out)
+        elif request is not None:
             _inspect_request(trace, request, json_out)
         elif trace is not None:
             _inspect_trace(trace, step, json_out)
@@ -1215,6 +1234,8 @@ def _inspect_trace(path: Path, step: int | None, json_out: bool) -> None:
     from .views.inspect import render_trace_state
 
     reader = TraceReader(path)
+    if reader.note:
+        print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
     state = reader.state_at(step)
     decode = None
     if reader.header.get("model"):
@@ -1235,11 +1256,58 @@ def _inspect_trace(path: Path, step: int | None, json_out: bool) -> None:
     console.print(render_trace_state(reader.header, state, info, max(20, console.width - 2)))
 
 
+def _export_trace(path: Path, fmt: str, out: Path) -> None:
+    from .trace import TraceReader, export
+
+    reader = TraceReader(path)
+    if reader.note:
+        print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
+    if out.resolve() == path.resolve():
+        raise CliError(f"--export {out}: that is the trace being read")
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            n = export(reader, fmt, f)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CliError(f"cannot write --export {out}: {e.strerror or e}") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    unit = "events" if fmt == "jsonl" else "event batches"
+    print(f"nanokv: wrote {n:,} {unit} to {out}", file=sys.stderr)
+
+
+def _trace_summary(path: Path, json_out: bool) -> None:
+    from .trace import TraceReader
+
+    reader = TraceReader(path)
+    if reader.note:
+        print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
+    info = reader.summary()
+    if json_out:
+        print_json({"trace": str(path), **info})
+        return
+    console = stdout_console()
+    console.print(
+        f"[b]{path}[/b]: trace version {info['version']}, {info['steps']:,} steps, "
+        f"{info['num_events']:,} events, {info['file_bytes']:,} bytes, "
+        f"{info['checkpoints']:,} checkpoints"
+    )
+    for name, n in sorted(info["events"].items(), key=lambda kv: -kv[1]):
+        console.print(f"  {name:<18} {n:>12,}")
+    for name, n in info["record_bytes"].items():
+        console.print(f"  [dim]{name} records {n:,} bytes[/dim]")
+
+
 def _inspect_request(path: Path, seq_id: int, json_out: bool) -> None:
     from .trace import TraceReader, explain_request
     from .views.inspect import render_request
 
     reader = TraceReader(path)
+    if reader.note:
+        print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
     info = explain_request(reader, seq_id)
     if json_out:
         print_json({"trace": str(path), "block_size": reader.block_size, **info})

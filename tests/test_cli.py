@@ -388,6 +388,35 @@ def test_not_a_trace(tmp_path, prompts_jsonl):
     assert "not a nanokv trace" in fails(1, "inspect", prompts_jsonl)
 
 
+@pytest.mark.parametrize(
+    "damage", ["zero-length", "bad magic", "torn", "wrong version", "bad v1 line"]
+)
+def test_damaged_traces_give_one_line(recorded, tmp_path, damage):
+    data = recorded.read_bytes()
+    path = tmp_path / "t.trace"
+    if damage == "torn":  # killed mid-write: what is whole is shown, with a note
+        path.write_bytes(data[:-7])
+        result = nanokv("inspect", path)
+        assert result.exit_code == 0 and "torn" in result.stderr
+        return
+    path.write_bytes(
+        {
+            "zero-length": b"",
+            "bad magic": b"NOTATRACE" + data[8:],
+            "wrong version": json.dumps(
+                {"format": "nanokv-trace", "version": 7, "block_size": 4, "num_blocks": 4}
+            ).encode()
+            + b"\n",
+            "bad v1 line": json.dumps(
+                {"format": "nanokv-trace", "version": 1, "block_size": 4, "num_blocks": 4}
+            ).encode()
+            + b"\n{not json\n",
+        }[damage]
+    )
+    err = fails(1, "inspect", path)
+    assert err.startswith("nanokv: error: ") and err.count("\n") == 1 and str(path) in err
+
+
 def test_step_not_in_trace(recorded):
     assert "no step 99999" in fails(1, "inspect", recorded, "--step", "99999")
 
@@ -546,16 +575,31 @@ def test_inspect_prompts_gives_each_prompt_its_miss_reason(tmp_path, tokenizer_d
     assert info["miss_tokens"] == {"partial": 5, "cold": 5}
 
 
+def test_inspect_summary_and_exports(recorded, tmp_path):
+    info = json_of("inspect", recorded, "--summary")
+    reader = TraceReader(recorded)
+    assert info["steps"] == reader.state_at().last_snapshot.step + 1
+    assert info["events"]["StepSnapshot"] == info["steps"] and info["file_bytes"] > 0
+    kv = tmp_path / "run.kv"
+    result = ok("inspect", recorded, "--export", "vllm-kv-events", kv)
+    assert "event batches" in result.stderr and kv.stat().st_size > 0
+    assert "choose from" in nanokv("inspect", recorded, "--export", "csv", kv).output
+    err = fails(1, "inspect", recorded, "--export", "jsonl", tmp_path / "no" / "x.jsonl")
+    assert "cannot write --export" in err and err.count("\n") == 1
+
+
 def test_bad_request_id_per_request_path_and_old_traces(recorded, tmp_path, prompts_jsonl):
     assert "no request 99999" in fails(1, "inspect", recorded, "--request", "99999")
     err = fails(
         1, "replay", prompts_jsonl, "--dry-run", "--per-request", tmp_path / "no" / "r.jsonl"
     )
     assert err.startswith("nanokv: error: cannot write --per-request") and err.count("\n") == 1
-    old = tmp_path / "old.trace"
+    v1 = tmp_path / "v1.trace"
+    ok("inspect", recorded, "--export", "jsonl", v1)
+    old = tmp_path / "old.trace"  # as an older nanokv wrote it: version 1, no lookups
     old.write_text(
         "\n".join(
-            line for line in recorded.read_text().splitlines() if '"type":"CacheLookup"' not in line
+            line for line in v1.read_text().splitlines() if '"type":"CacheLookup"' not in line
         )
         + "\n"
     )

@@ -1,0 +1,354 @@
+"""Serving: concurrent streaming clients against ``nanokv serve``, vs ``LLM.generate``.
+
+Loopback only and bounded (a fixed number of requests, a deadline for the whole run); it
+starts its own server on a free port and stops it with SIGTERM. In one invocation:
+
+1. ``LLM.generate`` runs the clients' requests (the same chat prompts, token for token, greedy,
+   ``ignore_eos`` so every request generates ``--max-tokens``) in this process: the baseline.
+2. ``--clients`` concurrent streaming chat clients (a shared system prompt) send the same
+   requests to the server; all must complete. Throughput is generated tokens over the time
+   from the first request sent to the last token received; the ratio to the baseline is
+   printed (each side best of ``--repeat``, alternating, on a warm cache for the prompt).
+3. ``/metrics`` must then show 0 requests running or waiting, 0 blocks in use (the prefix
+   cache keeps its blocks as free-but-cached) and prefix-cache hits > 0.
+4. The clients run again and ``--disconnect`` of them (20%) close their stream after a
+   quarter of their tokens: those requests must be aborted, the rest complete, and nothing
+   leak (step 3's checks again).
+5. SIGTERM: the server must exit 0.
+
+The clients run on the same machine, so by default both sides get one torch thread fewer than
+there are cores (at least one), leaving a core to the load generator and the server's event
+loop; ``--threads N`` sets both. On 2 cores with 2 threads each, the clients' and the event
+loop's few milliseconds per step land inside the model's parallel regions and stall them
+(``scripts/BENCHMARKS.md`` has both figures).
+
+    python scripts/bench_serve.py
+    python scripts/bench_serve.py --quick --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import emit, set_threads  # noqa: E402
+
+from nanokv_cli import LLM, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = (
+    "You are the operator's assistant for a paged KV cache inference engine. Keep answers "
+    "short and concrete, explain which blocks of the cache a request would share with earlier "
+    "ones, prefer plain words over jargon, and say so when a question cannot be answered. "
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=None, help="per request (default 64)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--system-repeat", type=int, default=2, help="copies of the system prompt")
+    p.add_argument("--disconnect", type=float, default=0.2, help="fraction of clients that leave")
+    p.add_argument("--repeat", type=int, default=None, help="runs of each side (default 3)")
+    p.add_argument("--min-ratio", type=float, default=0.9, help="fail below this ratio")
+    p.add_argument("--timeout", type=float, default=900.0, help="deadline for the whole run (s)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for both sides (default: one fewer than the cores, at least 1)",
+    )
+    p.add_argument("--quick", action="store_true", help="a smaller workload (smoke test)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = p.parse_args()
+    if args.max_tokens is None:
+        args.max_tokens = 16 if args.quick else 64
+    if args.threads is None:
+        args.threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    if not 0 <= args.disconnect < 1:
+        p.error("--disconnect is a fraction in [0, 1)")
+    return args
+
+
+def conversations(args: argparse.Namespace) -> list[list[dict[str, str]]]:
+    system = {"role": "system", "content": SYSTEM * args.system_repeat}
+    return [
+        [system, {"role": "user", "content": f"Question {i}: what does block {i} hold?"}]
+        for i in range(args.clients)
+    ]
+
+
+# -- the server --------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace, workdir: str, deadline: float) -> None:
+        env = dict(os.environ)
+        if args.threads is not None:
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        cmd = [sys.executable, "-m", "nanokv_cli.cli", "serve", "--port", "0", "--no-live"]
+        cmd += ["--block-size", str(args.block_size)]
+        if args.model:
+            cmd += ["--model", args.model]
+        self.err_path = Path(workdir) / "server.err"
+        self.err = open(self.err_path, "w")  # noqa: SIM115
+        self.out = open(Path(workdir) / "server.out", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=self.err, env=env)
+        self.url = self._wait(deadline)
+
+    def _wait(self, deadline: float) -> str:
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            m = re.search(r"serving .* on (http://\S+)/v1", self.err_path.read_text())
+            if m:
+                try:
+                    if httpx.get(f"{m.group(1)}/health", timeout=5).status_code == 200:
+                        return m.group(1)
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.1)
+        self.kill()
+        raise SystemExit(f"the server did not start:\n{self.err_path.read_text()}")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                extra = {k: v for k, v in s.labels.items() if k != "model_name"}
+                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in extra.items()) + "}")
+                out[key if extra else s.name] = s.value
+        return out
+
+    def stop(self, timeout: float) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
+
+
+async def one_client(
+    http: aiohttp.ClientSession, url: str, messages, max_tokens: int, leave_after: int | None
+) -> dict:
+    """One streaming chat request; ``leave_after``: close the stream after that many chunks."""
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = None
+    events = 0  # server-sent events so far: the role chunk, one per piece of text, the end
+    tail = b""
+    async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            return {"error": f"HTTP {r.status}: {(await r.read())[:200]!r}"}
+        # The load generator stays light (it shares the CPUs with the server): aiohttp's C
+        # parser, and it counts events, parsing only the last ones (finish reason, usage).
+        async for data in r.content.iter_any():
+            events += data.count(b"data: ")
+            tail = (tail + data)[-8192:]
+            if first is None and events >= 2:
+                first = time.perf_counter() - t0
+            if leave_after is not None and events > leave_after:
+                r.close()  # a disconnect: the connection is dropped, not reused
+                return {"left": True, "chunks": events - 1}
+    usage = reason = None
+    for line in tail.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            event = json.loads(line[6:])
+        except ValueError:  # cut off at the tail's start
+            continue
+        if "error" in event:
+            return {"error": event["error"]["message"]}
+        usage = event.get("usage") or usage
+        for choice in event["choices"]:
+            reason = choice["finish_reason"] or reason
+    return {"reason": reason, "usage": usage, "ttft": first, "latency": time.perf_counter() - t0}
+
+
+async def clients(url: str, convs, max_tokens: int, leavers: set[int], timeout: float):
+    connector = aiohttp.TCPConnector(limit=len(convs) + 8)
+    timeouts = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeouts) as http:
+        t0 = time.perf_counter()
+        leave = max(1, max_tokens // 4)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    one_client(http, url, m, max_tokens, leave if i in leavers else None)
+                    for i, m in enumerate(convs)
+                )
+            ),
+            timeout,
+        )
+        return results, time.perf_counter() - t0
+
+
+def settled(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """/metrics once nothing runs (the last step's snapshot may lag a disconnect by a step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        busy = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
+        if (busy == 0 and m["nanokv:kv_cache_blocks{state=used}"] == 0) or (
+            time.monotonic() > deadline
+        ):
+            return m
+        time.sleep(0.1)
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    deadline = time.monotonic() + args.timeout
+    threads = set_threads(args.threads)
+    convs = conversations(args)
+    n_tokens = args.clients * args.max_tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    failures: list[str] = []
+
+    llm = LLM(args.model, block_size=args.block_size)
+    prompts = [llm.chat_prompt(m) for m in convs]
+    llm.generate([llm.chat_prompt(convs[0][:1])], greedy)  # warm: the system prompt is cached
+
+    with tempfile.TemporaryDirectory(prefix="bench_serve.") as work:
+        server = Server(args, work, deadline)
+        try:
+            asyncio.run(clients(server.url, convs[:1], args.max_tokens, set(), 300))  # warm
+            base_times, serve_times, ttfts = [], [], []
+            for _ in range(args.repeat):
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, greedy)
+                base_times.append(time.perf_counter() - t0)
+                assert all(len(o["token_ids"]) == args.max_tokens for o in outs)
+                results, elapsed = asyncio.run(
+                    clients(server.url, convs, args.max_tokens, set(), deadline - time.monotonic())
+                )
+                serve_times.append(elapsed)
+                bad = [r for r in results if r.get("reason") != "length"]
+                if bad:
+                    failures.append(f"{len(bad)} clients did not complete: {bad[0]}")
+                for r, p in zip(results, prompts):
+                    u = r.get("usage") or {}
+                    if (u.get("prompt_tokens"), u.get("completion_tokens")) != (
+                        len(p),
+                        args.max_tokens,
+                    ):
+                        failures.append(f"usage {u} != ({len(p)}, {args.max_tokens})")
+                        break
+                ttfts += [r["ttft"] for r in results if r.get("ttft") is not None]
+            base_tps, serve_tps = n_tokens / min(base_times), n_tokens / min(serve_times)
+            ratio = serve_tps / base_tps
+            if ratio < args.min_ratio:
+                failures.append(f"throughput ratio {ratio:.3f} < {args.min_ratio}")
+
+            after = settled(server)
+            cached = after["vllm:prefix_cache_hits_total"]
+            used = after["nanokv:kv_cache_blocks{state=used}"]
+            running = after["vllm:num_requests_running"] + after["vllm:num_requests_waiting"]
+            if running or used or not cached:
+                failures.append(f"after the load: {running} in flight, {used} used, hits {cached}")
+
+            # Disconnects: every len/k-th client leaves mid-stream.
+            n_leave = round(args.clients * args.disconnect)
+            leavers = set(range(0, args.clients, max(1, args.clients // max(1, n_leave))))
+            leavers = set(sorted(leavers)[:n_leave])
+            aborts0 = after.get("vllm:request_success_total{finished_reason=abort}", 0.0)
+            results, _ = asyncio.run(
+                clients(server.url, convs, args.max_tokens, leavers, deadline - time.monotonic())
+            )
+            left = sum(1 for r in results if r.get("left"))
+            completed = sum(1 for r in results if r.get("reason") == "length")
+            if left != n_leave or completed != args.clients - n_leave:
+                failures.append(f"disconnect run: {left} left, {completed} completed")
+            final = settled(server)
+            aborts = final.get("vllm:request_success_total{finished_reason=abort}", 0.0) - aborts0
+            used2 = final["nanokv:kv_cache_blocks{state=used}"]
+            running2 = final["vllm:num_requests_running"] + final["vllm:num_requests_waiting"]
+            if aborts != n_leave or used2 or running2:
+                failures.append(
+                    f"after disconnects: {aborts:.0f} aborted of {n_leave}, {running2} in "
+                    f"flight, {used2} blocks used"
+                )
+            code = server.stop(timeout=max(10.0, deadline - time.monotonic()))
+            if code != 0:
+                failures.append(f"SIGTERM: exit status {code}")
+        finally:
+            server.kill()
+
+    queries = final["vllm:prefix_cache_queries_total"]
+    result = {
+        "clients": args.clients,
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": [len(p) for p in prompts[:1]][0],
+        "block_size": args.block_size,
+        "threads": threads,
+        "generate_tok_s": base_tps,
+        "serve_tok_s": serve_tps,
+        "ratio": ratio,
+        "generate_times_s": base_times,
+        "serve_times_s": serve_times,
+        "client_ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "prefix_cache_hits": cached,
+        "prefix_cache_hit_rate": final["vllm:prefix_cache_hits_total"] / queries if queries else 0,
+        "disconnected": n_leave,
+        "aborted": aborts,
+        "sigterm_exit": code,
+        "failures": failures,
+    }
+    lines = [
+        f"nanokv serve vs LLM.generate: {args.clients} streaming clients x {args.max_tokens} "
+        f"tokens, shared system prompt ({result['prompt_tokens']} prompt tokens each), block "
+        f"size {args.block_size}, {threads} threads, best of {args.repeat}",
+        f"  LLM.generate        {base_tps:8.1f} tok/s   ({', '.join(f'{t:.2f}' for t in base_times)} s)",
+        f"  nanokv serve        {serve_tps:8.1f} tok/s   ({', '.join(f'{t:.2f}' for t in serve_times)} s)"
+        f", client TTFT p50 {result['client_ttft_p50_s'] * 1e3:.0f} ms",
+        f"  ratio serve/generate {ratio:7.3f}   (required >= {args.min_ratio})",
+        f"  after the load: {running:.0f} in flight, {used:.0f} blocks used, "
+        f"{cached:.0f} prefix-cache hit tokens",
+        f"  disconnects: {left} of {args.clients} left mid-stream, {completed} completed, "
+        f"{aborts:.0f} aborted; then {running2:.0f} in flight, {used2:.0f} blocks used",
+        f"  SIGTERM: exit {code}",
+        "  OK" if not failures else "  FAILED: " + "; ".join(failures),
+    ]
+    emit(result, args.json, lines)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
