@@ -132,7 +132,7 @@ def test_live_view_draws_at_a_bounded_rate_and_leaves_the_last_frame():
             eng.step()
             view.tick()
     assert eng.num_steps >= 10
-    assert view.frames == 2  # the first tick, and the final frame on exit
+    assert view.frames == 2  # the opening frame, and the final one on exit
     out = con.export_text()
     assert f"step {eng.num_steps - 1}" in out  # the final frame shows the last step
     assert "done 3" in out
