@@ -82,6 +82,12 @@ _CODES = (
 _CODE = {cls: i for i, cls in enumerate(_CODES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _CODES}
 _STORED, _ADDED, _SNAPSHOT = _CODE[BlockStored], _CODE[SequenceAdded], _CODE[StepSnapshot]
+_ALLOCATED, _FREED, _HIT, _REMOVED = (
+    _CODE[BlockAllocated],
+    _CODE[BlockFreed],
+    _CODE[BlockHit],
+    _CODE[BlockRemoved],
+)
 
 
 class TraceError(ValueError):
@@ -233,27 +239,27 @@ class TraceWriter:
                 table_len[e.seq_id] = i + 1
                 owner[e.block_id] = (e.seq_id, i)
                 source.pop(e.block_id, None)
-                append((2, e.seq_id, e.block_id))
+                append((_ALLOCATED, e.seq_id, e.block_id))
             elif t is BlockFreed:
                 table_len[e.seq_id] -= 1
-                append((7, e.seq_id, e.block_id, e.ref_count))
+                append((_FREED, e.seq_id, e.block_id, e.ref_count))
             elif t is BlockStored:
                 seq_id, i = owner.get(e.block_id, (-1, -1))
                 if seq_id != -1 and (i + 1) * bs <= prompt_len.get(seq_id, 0):
                     source[e.block_id] = (seq_id, i)
-                    append((4, e.block_id, e.block_hash, e.parent_hash, seq_id, i))
+                    append((_STORED, e.block_id, e.block_hash, e.parent_hash, seq_id, i))
                 else:  # generated tokens: stored here, once
                     data = _token_bytes(e.token_ids)
                     source[e.block_id] = data
-                    append((4, e.block_id, e.block_hash, e.parent_hash, -1, data))
+                    append((_STORED, e.block_id, e.block_hash, e.parent_hash, -1, data))
             elif t is BlockHit:
                 table_len[e.seq_id] = table_len.get(e.seq_id, 0) + 1
-                append((3, e.seq_id, e.block_id, e.block_hash, e.kind))
+                append((_HIT, e.seq_id, e.block_id, e.block_hash, e.kind))
             elif t is BlockRemoved:
                 source.pop(e.block_id, None)
-                append((5, e.block_id, e.block_hash))
+                append((_REMOVED, e.block_id, e.block_hash))
             elif t is StepSnapshot:
-                append((10, *[getattr(e, f) for f in _FIELDS[StepSnapshot]]))
+                append((_SNAPSHOT, *[getattr(e, f) for f in _FIELDS[StepSnapshot]]))
             elif t is SequenceAdded:
                 prompt_len[e.seq_id] = len(e.prompt_token_ids)
                 recipe = e.prompt_recipe
@@ -262,24 +268,13 @@ class TraceWriter:
                 )
                 if recipe is not None:
                     self._recipes[e.seq_id] = recipe
-                append((0, e.seq_id, e.max_tokens, e.arrival_time))
-            elif t is SequenceFinished:
-                prompt_len.pop(e.seq_id, None)
-                table_len.pop(e.seq_id, None)
-                append(
-                    (
-                        9,
-                        e.seq_id,
-                        e.reason,
-                        e.num_prompt_tokens,
-                        e.num_completion_tokens,
-                        e.num_cached_tokens,
-                    )
-                )
-            elif t is AllBlocksCleared:
-                source.clear()
-                append((6,))
+                append((_ADDED, e.seq_id, e.max_tokens, e.arrival_time))
             else:
+                if t is SequenceFinished:
+                    prompt_len.pop(e.seq_id, None)
+                    table_len.pop(e.seq_id, None)
+                elif t is AllBlocksCleared:
+                    source.clear()
                 append((_CODE[t], *[getattr(e, f) for f in _FIELDS[t]]))
         return prompts, out
 
