@@ -22,7 +22,14 @@ import typer
 from rich.console import Console
 
 from . import __version__
-from .driver import EngineClock, PromptEncoder, RunError, build_requests, dry_run_engine
+from .driver import (
+    EngineClock,
+    PromptEncoder,
+    RunError,
+    build_requests,
+    dry_run_engine,
+    encode_prompts,
+)
 
 # The loader imports torch only when weights are read: dry runs and inspect stay light.
 from .engine.loader import ModelLoadError, default_model_path, load_tokenizer
@@ -1329,13 +1336,7 @@ def _inspect_prompts(
 
     pf = read_prompts(path, fmt, limit)
     encoder = PromptEncoder(model, chat)
-    token_lists = []
-    for r in pf.requests:
-        try:
-            tokens = encoder.request(r)
-        except ValueError as e:
-            raise CliError(f"{pf.path} line {r.line}: {e}") from None
-        token_lists.append(list(tokens() if callable(tokens) else tokens))
+    token_lists = [list(t() if callable(t) else t) for t in encode_prompts(pf, encoder)]
     info = map_prompt_blocks(token_lists, block_size)
     if json_out:
         print_json({"file": str(path), "format": pf.format, **info})

@@ -98,19 +98,26 @@ class PromptEncoder:
         return self.text(req.prompt or "")
 
 
+def encode_prompts(pf: PromptFile, encoder: PromptEncoder) -> list:
+    """Each request's token ids (or the callable that makes them), in file order; a request
+    that cannot be encoded is reported by its file and line."""
+    out = []
+    for r in pf.requests:
+        try:
+            out.append(encoder.request(r))
+        except ValueError as e:
+            raise RunError(f"{pf.path} line {r.line}: {e}") from None
+    return out
+
+
 def build_requests(
     pf: PromptFile, encoder: PromptEncoder, defaults: SamplingParams, rate: float | None
 ) -> list[Request]:
     """Engine requests in arrival order: the file's timestamps, a Poisson ``rate``, or all at 0."""
-    requests = []
-    for r in pf.requests:
-        try:
-            tokens = encoder.request(r)
-        except ValueError as e:
-            raise RunError(f"{pf.path} line {r.line}: {e}") from None
-        requests.append(
-            Request(tokens, r.sampling_params(defaults), r.timestamp or 0.0, tag=r.line)
-        )
+    requests = [
+        Request(tokens, r.sampling_params(defaults), r.timestamp or 0.0, tag=r.line)
+        for r, tokens in zip(pf.requests, encode_prompts(pf, encoder))
+    ]
     if rate is not None:
         if math.isinf(rate):
             return list(all_at_once(requests))
