@@ -3,11 +3,12 @@ for every miss, and prefixes shared within a batch computed once."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_properties import run
 
 from nanokv_cli.engine.block_manager import MISS_REASONS, BlockManager
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.events import BlockRemoved, BlockStored, CacheLookup, StepSnapshot
-from nanokv_cli.engine.llm_engine import LLMEngine, RequestRejected
+from nanokv_cli.engine.llm_engine import LLMEngine
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.scheduler import Scheduler
 from nanokv_cli.engine.sequence import Sequence
@@ -280,35 +281,17 @@ def workloads(draw):
 def test_hit_vocabulary_and_miss_reasons_hold_after_every_step(
     requests, block_size, num_blocks, max_batched, caching
 ):
-    engine = dry_engine(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        enable_prefix_caching=caching,
-        max_num_seqs=4,
-        max_num_batched_tokens=max_batched,
-    )
-    bm = engine.block_manager
     lookups: list[CacheLookup] = []
     snaps: list[StepSnapshot] = []
-    engine.events.subscribe(
-        lambda e: (
+
+    def listen(e):
+        if type(e) is CacheLookup:
             lookups.append(e)
-            if type(e) is CacheLookup
-            else (snaps.append(e) if type(e) is StepSnapshot else None)
-        )
-    )
-    pending = sorted(requests, key=lambda r: r[2])
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][2] <= step:
-            prompt, max_tokens, _ = pending.pop(0)
-            try:
-                engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
-            except RequestRejected:
-                pass
-        engine.step()
-        step += 1
-        s = bm.stats
+        elif type(e) is StepSnapshot:
+            snaps.append(e)
+
+    def check(engine):
+        s = engine.block_manager.stats
         assert s.shared_hits + s.revived_hits == s.hits <= s.queries
         assert s.readmission_shared_hits + s.readmission_revived_hits == s.readmission_hits
         assert s.readmission_hits <= s.readmission_queries
@@ -331,5 +314,13 @@ def test_hit_vocabulary_and_miss_reasons_hold_after_every_step(
         assert snap.miss_tokens == s.miss_tokens
         if not caching:
             assert s.hits == 0 and s.miss_tokens["disabled"] == misses
-        assert step < 10_000
-    bm.check_invariants([])
+
+    run(
+        requests,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_batched=max_batched,
+        prefix_caching=caching,
+        listener=listen,
+        after_step=check,
+    )

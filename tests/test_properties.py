@@ -23,7 +23,19 @@ def workloads(draw):
     return requests
 
 
-def run(requests, *, block_size, num_blocks, max_batched, prefix_caching=True, check=True):
+def run(
+    requests,
+    *,
+    block_size,
+    num_blocks,
+    max_batched,
+    prefix_caching=True,
+    check=True,
+    listener=None,
+    after_step=None,
+):
+    """Replay ``requests`` (prompt, max_tokens, arrival step), checking the books after every
+    step; ``listener`` gets every event, ``after_step(engine)`` runs after every step."""
     clock = VirtualClock()
     engine = LLMEngine(
         DryRunExecutor(vocab_size=60, clock=clock),
@@ -36,6 +48,8 @@ def run(requests, *, block_size, num_blocks, max_batched, prefix_caching=True, c
         clock=clock,
     )
     bm, sched = engine.block_manager, engine.scheduler
+    if listener is not None:
+        engine.events.subscribe(listener)
     pending = sorted(requests, key=lambda r: r[2])
     step = 0
     while pending or engine.has_unfinished_requests():
@@ -47,6 +61,8 @@ def run(requests, *, block_size, num_blocks, max_batched, prefix_caching=True, c
                 pass  # too big for this cache: must be refused, not hang the engine
         engine.step()
         step += 1
+        if after_step is not None:
+            after_step(engine)
         if check:
             live = [s for s in list(sched.running) + list(sched.waiting) if s.block_table]
             bm.check_invariants(live)
