@@ -3,7 +3,7 @@
 from .engine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from .llm import LLM
 
         return LLM
+    if name == "EngineConfig":
+        from .engine.config import EngineConfig
+
+        return EngineConfig
     raise AttributeError(name)

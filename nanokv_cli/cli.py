@@ -7,7 +7,6 @@ torch is imported only where a model runs, so ``--dry-run`` and ``inspect`` work
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -15,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,13 +30,15 @@ from .driver import (
     dry_run_engine,
     encode_prompts,
 )
+from .engine.config import EngineConfig
 
 # The loader imports torch only when weights are read: dry runs and inspect stay light.
 from .engine.loader import ModelLoadError, default_model_path, load_tokenizer
 from .engine.sampling_params import SamplingParams
-from .prompts import FORMATS, PromptFile, PromptRequest, read_prompts
+from .paths import check_model_path, check_outputs
+from .prompts import FORMATS, MAX_LINE_CHARS, PromptFile, PromptRequest, read_prompts
 
-DEFAULT_BLOCK_SIZE = 256
+DEFAULT_BLOCK_SIZE = EngineConfig.block_size
 DEFAULT_MAX_TOKENS = 64
 # Dry-run cache when --num-blocks is not given: the same number of tokens for every block
 # size, so a block-size comparison compares layouts, not memory.
@@ -59,7 +61,14 @@ class CliError(Exception):
 # Exceptions that mean "the input was wrong", not "nanokv has a bug": shown as one line.
 # ValueError covers the engine's RequestRejected, MalformedTraceError, UnsupportedModelError,
 # TokenizerError and SamplingParams' checks; OSError covers missing and unreadable files.
-USER_ERRORS: tuple[type[BaseException], ...] = (CliError, ValueError, OSError, ModelLoadError)
+# MemoryError: the input asked for more than the machine has (the message says how much).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    CliError,
+    ValueError,
+    OSError,
+    ModelLoadError,
+    MemoryError,
+)
 
 
 @contextmanager
@@ -88,6 +97,9 @@ def _is_worker_failure(e: Exception) -> bool:
 
 
 def _one_line(e: BaseException) -> str:
+    if isinstance(e, MemoryError):
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return "out of memory" + (f" ({detail})" if detail else "")
     if isinstance(e, FileNotFoundError) and e.filename:
         return f"{e.filename}: no such file"
     if isinstance(e, OSError) and e.strerror:
@@ -182,7 +194,9 @@ def stderr_console() -> Console:
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    from .report import json_text  # NaN and infinities as null: JSON has neither
+
+    sys.stdout.write(json_text(obj))
     sys.stdout.flush()
 
 
@@ -256,7 +270,10 @@ NoPrefixOpt = Annotated[bool, typer.Option("--no-prefix-cache", help="Turn prefi
 MaxSeqsOpt = Annotated[
     int | None,
     typer.Option(
-        "--max-num-seqs", min=1, help="Most sequences per step. [default: 256]", show_default=False
+        "--max-num-seqs",
+        min=1,
+        help=f"Most sequences per step. [default: {EngineConfig.max_num_seqs}]",
+        show_default=False,
     ),
 ]
 MaxBatchedOpt = Annotated[
@@ -264,7 +281,8 @@ MaxBatchedOpt = Annotated[
     typer.Option(
         "--max-num-batched-tokens",
         min=1,
-        help="Token budget per step (chunked prefill).",
+        help="Token budget per step (chunked prefill). "
+        f"[default: {EngineConfig.max_num_batched_tokens}]",
         show_default=False,
     ),
 ]
@@ -340,29 +358,54 @@ def check_model_flags(
         )
 
 
-def make_llm(model: str | None, *, kv_cache_memory: str | None, **options: Any):
-    """The model and its engine; options left at None take the LLM's own defaults."""
+def engine_config_from_flags(
+    *,
+    block_size: int,
+    num_blocks: int | None,
+    kv_cache_memory: str | None,
+    no_prefix_cache: bool,
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    max_model_len: int | None,
+    dtype: str | None,
+    device: str | None,
+    tensor_parallel_size: int | None,
+    quantization: str | None,
+) -> EngineConfig:
+    """The engine settings of a command's flags (generate, replay and serve share them).
+
+    Flags left at None keep EngineConfig's defaults. Checked before anything loads: a bad value
+    is a usage error naming its flag or setting.
+    """
+    check_model_flags(dtype, device, quantization)
+    given = {
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "kv_cache_memory": parse_size(kv_cache_memory) if kv_cache_memory else None,
+        "enable_prefix_caching": not no_prefix_cache,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_model_len": max_model_len,
+        "dtype": dtype,
+        "device": device,
+        "tensor_parallel_size": tensor_parallel_size,
+        "quantization": quantization,
+    }
+    try:
+        return EngineConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def make_llm(model: str | None, config: EngineConfig):
+    """The model and its engine."""
     from .llm import LLM
 
-    given = {k: v for k, v in options.items() if v is not None}
-    if kv_cache_memory:
-        given["kv_cache_memory"] = parse_size(kv_cache_memory)
-    llm = LLM(model, **given)
+    llm = LLM(model, config=config)
     if llm.rank != 0:
         # A torchrun worker rank: LLM() returned once rank 0 finished; it has nothing to print.
         raise typer.Exit(0)
     return llm
-
-
-def engine_limits(
-    max_num_seqs: int | None, max_num_batched_tokens: int | None, max_model_len: int | None
-) -> dict:
-    limits = {
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "max_model_len": max_model_len,
-    }
-    return {k: v for k, v in limits.items() if v is not None}
 
 
 # -- generate ----------------------------------------------------------------------------------
@@ -423,22 +466,22 @@ def generate(
         seed=seed,
         ignore_eos=ignore_eos,
     )
-    if kv_cache_memory:
-        parse_size(kv_cache_memory)
-    check_model_flags(dtype, device, quantization)
+    engine_config = engine_config_from_flags(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_memory=kv_cache_memory,
+        no_prefix_cache=no_prefix_cache,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        device=device,
+        tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
+    )
     with user_errors(debug):
-        llm = make_llm(
-            model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=not no_prefix_cache,
-            tensor_parallel_size=tensor_parallel_size,
-            quantization=quantization,
-            **engine_limits(max_num_seqs, max_num_batched_tokens, max_model_len),
-        )
+        check_model_path(model)
+        llm = make_llm(model, engine_config)
         results = _run_generate(llm, texts, defaults, chat, want_live(live, json_out), json_out)
         if json_out:
             print_json(results)
@@ -454,12 +497,33 @@ def _prompt_args(prompts: list[str] | None) -> list[str]:
             raise typer.BadParameter(
                 "- (stdin) cannot be mixed with other prompts", param_hint="PROMPT"
             )
-        text = sys.stdin.read()
+        text = _read_stdin(MAX_LINE_CHARS)
         text = text[:-1] if text.endswith("\n") else text
         if not text.strip():
             raise typer.BadParameter("stdin held no prompt", param_hint="PROMPT")
-        return [text]
+        prompts = [text]
+    for i, text in enumerate(prompts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv decodes bytes that are not UTF-8 as surrogates
+            raise typer.BadParameter(
+                f"prompt {i + 1} is not UTF-8 text (at character {e.start})", param_hint="PROMPT"
+            ) from None
     return prompts
+
+
+def _read_stdin(max_chars: int) -> str:
+    """stdin up to ``max_chars`` (a prompt, not /dev/zero); more is a usage error."""
+    try:
+        text = sys.stdin.read(max_chars + 1)
+    except UnicodeDecodeError:
+        raise typer.BadParameter("stdin is not UTF-8 text", param_hint="PROMPT") from None
+    if len(text) > max_chars:
+        raise typer.BadParameter(
+            f"stdin holds more than {max_chars:,} characters; that is no prompt",
+            param_hint="PROMPT",
+        )
+    return text
 
 
 def _run_generate(
@@ -469,7 +533,7 @@ def _run_generate(
     from .engine.tokenizer import IncrementalDecoder
 
     engine, tokenizer = llm.engine, llm.tokenizer
-    encoder = PromptEncoder(None, chat, tokenizer=tokenizer)
+    encoder = PromptEncoder(None, chat, tokenizer=tokenizer, max_prompt_tokens=llm.max_model_len)
     clock = EngineClock(engine)
     index: dict[int, int] = {}  # seq_id -> prompt index
 
@@ -807,6 +871,8 @@ def replay_cmd(
     """
     block_sizes = parse_int_list(block_size, "--block-size")
     sizes = parse_int_list(num_blocks, "--num-blocks") if num_blocks else None
+    if dry_run and sizes:
+        check_dry_run_memory(max(sizes))
     rate_value = parse_rate(rate)
     defaults = sampling_defaults(
         temperature=temperature,
@@ -836,34 +902,48 @@ def replay_cmd(
             "a dry run has no model to size memory for; use --num-blocks",
             param_hint="--kv-cache-memory",
         )
-    if kv_cache_memory:
-        parse_size(kv_cache_memory)
+    # One cache for a model run; a dry run takes each (block size, cache size) of the grid.
+    engine_config = engine_config_from_flags(
+        block_size=block_sizes[0],
+        num_blocks=sizes[0] if sizes else None,
+        kv_cache_memory=kv_cache_memory,
+        no_prefix_cache=no_prefix_cache,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        device=device,
+        tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
+    )
     if fmt not in FORMATS:
         raise typer.BadParameter(f"choose from {', '.join(FORMATS)}", param_hint="--format")
     live_on = want_live(live, json_out)
     progress = not json_out and sys.stderr.isatty()
-    check_model_flags(dtype, device, quantization)
-    limits = engine_limits(max_num_seqs, max_num_batched_tokens, max_model_len)
-    limits["enable_prefix_caching"] = not no_prefix_cache
     reports: list[dict[str, Any]] = []
     with user_errors(debug):
+        check_model_path(model)
+        outputs = {"--report": report, "--record": record, "--per-request": per_request}
+        check_outputs(outputs, inputs=[file, model])  # before the run, not after it
         pf = read_prompts(file, fmt, limit)
         try:
             if dry_run:
-                encoder = PromptEncoder(model, chat)
-                requests = build_requests(pf, encoder, defaults, rate_value)
-                config = _run_config(pf, rate_value, dry_run=True)
-                config["model"] = model_label(model) if encoder.loaded else None
                 grid = [
                     (bs, n)
                     for bs in block_sizes
                     for n in (sizes or [-(-DRY_RUN_CACHE_TOKENS // bs)])
                 ]
+                # The longest prompt any run of the grid admits.
+                longest = engine_config.max_model_len or max(bs * n for bs, n in grid)
+                encoder = PromptEncoder(model, chat, max_prompt_tokens=longest)
+                requests = build_requests(pf, encoder, defaults, rate_value)
+                config = _run_config(pf, rate_value, dry_run=True)
+                config["model"] = model_label(model) if encoder.loaded else None
                 _dry_runs(
                     grid,
                     requests,
                     config,
-                    limits,
+                    engine_config,
                     reports,
                     live_on,
                     progress,
@@ -872,23 +952,15 @@ def replay_cmd(
                     per_request,
                 )
             else:
-                llm = make_llm(
-                    model,
-                    dtype=dtype,
-                    device=device,
-                    block_size=block_sizes[0],
-                    num_blocks=sizes[0] if sizes else None,
-                    kv_cache_memory=kv_cache_memory,
-                    tensor_parallel_size=tensor_parallel_size,
-                    quantization=quantization,
-                    **limits,
+                llm = make_llm(model, engine_config)
+                encoder = PromptEncoder(
+                    model, chat, tokenizer=llm.tokenizer, max_prompt_tokens=llm.max_model_len
                 )
-                encoder = PromptEncoder(model, chat, tokenizer=llm.tokenizer)
                 requests = build_requests(pf, encoder, defaults, rate_value)
                 config = _run_config(pf, rate_value, dry_run=False)
                 config["model"] = llm.model_path
                 config["block_size"] = llm.engine.block_size
-                config["prefix_caching"] = limits["enable_prefix_caching"]
+                config["prefix_caching"] = engine_config.enable_prefix_caching
                 config["quantization"] = llm.quantization or "none"
                 clock = EngineClock(llm.engine)
                 reports.append(
@@ -909,9 +981,9 @@ def replay_cmd(
             if report is not None:
                 _write_report(report, reports, several)
             raise KeyboardInterrupt from None
+        _print_reports(reports, several, json_out)  # first: a failed write keeps the summary
         if report is not None:
             _write_report(report, reports, several)
-        _print_reports(reports, several, json_out)
 
 
 def _run_config(pf: PromptFile, rate: float | None, *, dry_run: bool) -> dict[str, Any]:
@@ -925,11 +997,36 @@ def _run_config(pf: PromptFile, rate: float | None, *, dry_run: bool) -> dict[st
     }
 
 
+# What a dry run's books take per cache block (measured: ~360 bytes in the BlockManager).
+DRY_RUN_BYTES_PER_BLOCK = 400
+
+
+def check_dry_run_memory(num_blocks: int) -> None:
+    """Refuse a dry-run cache whose books alone would not fit in the memory left (the
+    address-space limit, else MemAvailable), before it is built."""
+    need = num_blocks * DRY_RUN_BYTES_PER_BLOCK
+    free = _memory_free()
+    if free is not None and need > free:
+        raise typer.BadParameter(
+            f"a dry-run cache of {num_blocks:,} blocks needs about {need / 2**30:.1f} GiB for "
+            f"its books but only {max(free, 0) / 2**30:.1f} GiB is free; lower it",
+            param_hint="--num-blocks",
+        )
+
+
+def _memory_free() -> int | None:
+    """Bytes this process may still allocate (see engine/memory.py), or None if unknown."""
+    from .engine.memory import host_memory_limit
+
+    limit = host_memory_limit()
+    return None if limit is None else limit.free
+
+
 def _dry_runs(
     grid: list[tuple[int, int]],
     requests: list,
     config: dict[str, Any],
-    limits: dict[str, Any],
+    engine_config: EngineConfig,
     reports: list[dict[str, Any]],
     live: bool,
     progress: bool,
@@ -937,11 +1034,12 @@ def _dry_runs(
     several: bool,
     per_request: Path | None = None,
 ) -> None:
-    """One replay per (block size, cache size); the infinite-cache bound once per block size."""
+    """One replay per (block size, cache size) on ``engine_config``'s other settings; the
+    infinite-cache bound once per block size."""
     from .report import InfiniteCache
 
     for i, (bs, n) in enumerate(grid):
-        engine, clock = dry_run_engine(bs, n, **limits)
+        engine, clock = dry_run_engine(replace(engine_config, block_size=bs, num_blocks=n))
         # Per run, not per block size: rejected requests (too big for this cache) stay out of
         # both the hit rate and its bound.
         infinite = InfiniteCache(bs)
@@ -956,7 +1054,7 @@ def _dry_runs(
                 config={
                     **config,
                     "block_size": bs,
-                    "prefix_caching": limits["enable_prefix_caching"],
+                    "prefix_caching": engine_config.enable_prefix_caching,
                 },
                 latencies=False,
                 live=live,
@@ -1076,37 +1174,35 @@ def serve_cmd(
     """
     from .engine.loader import DEFAULT_MODEL_FILE
 
-    if kv_cache_memory:
-        parse_size(kv_cache_memory)
-    check_model_flags(dtype, device, quantization)
+    engine_config = engine_config_from_flags(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_cache_memory=kv_cache_memory,
+        no_prefix_cache=no_prefix_cache,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        device=device,
+        tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
+    )
     if api_key is not None and not api_key.strip():
         raise typer.BadParameter("the API key is empty", param_hint="--api-key")
-    for path, flag in ((report, "--report"), (record, "--record")):
-        if path is not None and not os.access(path.parent, os.W_OK):
-            raise typer.BadParameter(f"cannot write into {path.parent}", param_hint=flag)
     live_on = want_live(live, False)
     with user_errors(debug):
+        check_model_path(model)
+        check_outputs({"--report": report, "--record": record}, inputs=[model])
         from .serve import bind_socket, serve
         from .views.tables import summary_table
 
         sock = bind_socket(host, port)  # before loading: a taken port fails at once
-        llm = make_llm(
-            model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=not no_prefix_cache,
-            tensor_parallel_size=tensor_parallel_size,
-            quantization=quantization,
-            **engine_limits(max_num_seqs, max_num_batched_tokens, max_model_len),
-        )
+        llm = make_llm(model, engine_config)
         config = {
             "model": llm.model_path,
             "dry_run": False,
             "block_size": llm.engine.block_size,
-            "prefix_caching": not no_prefix_cache,
+            "prefix_caching": engine_config.enable_prefix_caching,
             "quantization": llm.quantization or "none",
         }
         result = serve(
@@ -1224,6 +1320,7 @@ def inspect(
     if fmt not in FORMATS:
         raise typer.BadParameter(f"choose from {', '.join(FORMATS)}", param_hint="--format")
     with user_errors(debug):
+        check_model_path(model)
         if export is not None:
             _export_trace(trace, export[0], export[1])
         elif summary:
@@ -1244,23 +1341,33 @@ def _inspect_trace(path: Path, step: int | None, json_out: bool) -> None:
     if reader.note:
         print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
     state = reader.state_at(step)
-    decode = None
-    if reader.header.get("model"):
-        try:
-            tokenizer = load_tokenizer(reader.header["model"])
-
-            def decode(ids: list[int]) -> str:
-                # Special tokens are part of what a block holds: show them.
-                return tokenizer.decode(ids, skip_special_tokens=False)
-
-        except (CliError, ValueError, OSError) as e:
-            print(f"nanokv: block text not shown: {_one_line(e)}", file=sys.stderr)
-    info = describe_state(state, reader.block_size, decode)
+    info = describe_state(state, reader.block_size, _block_text_decoder(reader))
     if json_out:
         print_json({"trace": str(path), "header": reader.header, **info})
         return
     console = stdout_console()
     console.print(render_trace_state(reader.header, state, info, max(20, console.width - 2)))
+
+
+def _block_text_decoder(reader) -> Callable[[list[int]], str] | None:
+    """Decodes block text with the tokenizer of the trace's model; None (and a note) when
+    the header names none that loads: the blocks then show token ids only."""
+    model, why = reader.model_path()
+    if model is None:
+        if why is not None:
+            print(f"nanokv: block text not shown: {why}", file=sys.stderr)
+        return None
+    try:
+        tokenizer = load_tokenizer(model)
+    except (CliError, ValueError, OSError, ModelLoadError, MemoryError) as e:
+        print(f"nanokv: block text not shown: {_one_line(e)}", file=sys.stderr)
+        return None
+
+    def decode(ids: list[int]) -> str:
+        # Special tokens are part of what a block holds: show them.
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    return decode
 
 
 def _export_trace(path: Path, fmt: str, out: Path) -> None:
@@ -1269,19 +1376,11 @@ def _export_trace(path: Path, fmt: str, out: Path) -> None:
     reader = TraceReader(path)
     if reader.note:
         print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
-    if out.resolve() == path.resolve():
-        raise CliError(f"--export {out}: that is the trace being read")
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            n = export(reader, fmt, f)
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise CliError(f"cannot write --export {out}: {e.strerror or e}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from .paths import atomic_output
+
+    check_outputs({"--export": out}, inputs=[path])
+    with atomic_output(out, "--export") as f:
+        n = export(reader, fmt, f)
     unit = "events" if fmt == "jsonl" else "event batches"
     print(f"nanokv: wrote {n:,} {unit} to {out}", file=sys.stderr)
 
@@ -1335,8 +1434,13 @@ def _inspect_prompts(
     from .views.inspect import render_prompt_map
 
     pf = read_prompts(path, fmt, limit)
-    encoder = PromptEncoder(model, chat)
-    token_lists = [list(t() if callable(t) else t) for t in encode_prompts(pf, encoder)]
+    encoder = PromptEncoder(model, chat, max_prompt_tokens=DRY_RUN_CACHE_TOKENS)
+    token_lists = []
+    for r, tokens in zip(pf.requests, encode_prompts(pf, encoder)):
+        try:
+            token_lists.append(list(tokens() if callable(tokens) else tokens))
+        except ValueError as e:  # a synthesized prompt too long to make
+            raise CliError(f"{pf.path} line {r.line}: {e}") from None
     info = map_prompt_blocks(token_lists, block_size)
     if json_out:
         print_json({"file": str(path), "format": pf.format, **info})

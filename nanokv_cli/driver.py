@@ -29,6 +29,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from . import paths
+from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
 from .engine.loader import load_tokenizer
 from .engine.replay import Request, all_at_once, at_rate
@@ -60,13 +62,27 @@ class RunError(ValueError):
 # -- prompts -----------------------------------------------------------------------------------
 
 
-class PromptEncoder:
-    """Token ids of prompt-file requests; loads the tokenizer only if some request has text."""
+# A synthesized prompt longer than this (8 bytes a token) and than the run admits is rejected
+# before its tokens are made.
+EAGER_REJECT_TOKENS = 1 << 20
 
-    def __init__(self, model: str | None, chat: bool, tokenizer=None) -> None:
+
+class PromptEncoder:
+    """Token ids of prompt-file requests; loads the tokenizer only if some request has text.
+
+    ``max_prompt_tokens``, the longest prompt the run could admit, is checked before any work:
+    text with more bytes than that many tokens can hold never reaches the tokenizer, and a
+    long synthesized prompt over it is rejected (as the engine would) before its tokens are
+    made.
+    """
+
+    def __init__(
+        self, model: str | None, chat: bool, tokenizer=None, max_prompt_tokens: int | None = None
+    ) -> None:
         self.model = model
         self.chat = chat
         self._tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
 
     @property
     def tokenizer(self):
@@ -81,21 +97,42 @@ class PromptEncoder:
     def text(self, prompt: str) -> list[int]:
         if self.chat:
             return self.messages([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, max_tokens=self.max_prompt_tokens)
 
     def messages(self, messages: list[dict[str, str]]) -> list[int]:
+        for m in messages:  # before the template copies them around
+            self.tokenizer.check_text(m["content"], self.max_prompt_tokens)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         # The template already wrote every special token the model expects.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(
+            text, add_special_tokens=False, max_tokens=self.max_prompt_tokens
+        )
 
     def request(self, req: PromptRequest) -> list[int] | Callable[[], list[int]]:
         if req.token_source is not None:
+            n, limit = req.num_prompt_tokens, self.max_prompt_tokens
+            # Only where making the tokens would cost real memory: the engine's own rejection
+            # of a shorter one says what to change.
+            if n is not None and limit is not None and n > max(limit, EAGER_REJECT_TOKENS):
+                return _Rejected(
+                    f"the prompt ({n:,} tokens) is longer than the {limit:,} this run admits"
+                )
             return req.token_source
         if req.prompt_token_ids is not None:
             return req.prompt_token_ids
         if req.messages is not None:
             return self.messages(req.messages)
         return self.text(req.prompt or "")
+
+
+class _Rejected:
+    """A prompt refused before its tokens were made: asking for them rejects the request."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __call__(self) -> list[int]:
+        raise RequestRejected(self.reason)
 
 
 def encode_prompts(pf: PromptFile, encoder: PromptEncoder) -> list:
@@ -121,7 +158,14 @@ def build_requests(
     if rate is not None:
         if math.isinf(rate):
             return list(all_at_once(requests))
-        return list(at_rate(requests, rate))
+        timed = list(at_rate(requests, rate))
+        if timed and not math.isfinite(timed[-1].arrival_time):
+            # Gaps of ~1/rate seconds add up past the largest float: no arrival time is left.
+            raise RunError(
+                f"--rate {rate!r} is too low: the arrival times of {len(timed):,} requests "
+                "overflow; give a higher rate"
+            )
+        return timed
     if pf.has_timestamps:
         return sorted(requests, key=lambda q: q.arrival_time)
     return list(all_at_once(requests))
@@ -140,6 +184,11 @@ class Clock(Protocol):
         ...
 
 
+# The longest a model run waits for the next arrival; time.sleep itself overflows past
+# ~292 years, and a wait this long is a mistake (a --rate of 1e-300), not a replay.
+MAX_WAIT_S = 365 * 24 * 3600.0
+
+
 class EngineClock:
     """A model run's wall clock: the engine's own clock (seconds since it was built)."""
 
@@ -151,22 +200,22 @@ class EngineClock:
 
     def wait_until(self, t: float) -> None:
         delay = t - self.engine.clock
+        if not delay <= MAX_WAIT_S:  # NaN included
+            raise RunError(
+                f"the next request arrives {delay:.3g} s from now, more than a year: a model "
+                "run waits for arrivals in real time (give a higher --rate, or use --dry-run)"
+            )
         if delay > 0:
             time.sleep(delay)
 
 
-def dry_run_engine(block_size: int, num_blocks: int, **limits: Any):
-    """An engine on the model-free executor and its virtual clock."""
+def dry_run_engine(config: EngineConfig):
+    """An engine on the model-free executor and its virtual clock; ``config`` must give
+    ``num_blocks`` (there is no memory to size the cache from). Model settings are ignored."""
     from .engine.dry_run import DryRunExecutor, VirtualClock
 
     clock = VirtualClock()
-    engine = LLMEngine(
-        DryRunExecutor(clock=clock),
-        num_blocks=num_blocks,
-        block_size=block_size,
-        clock=clock,
-        **limits,
-    )
+    engine = LLMEngine(DryRunExecutor(config, clock=clock), config, clock=clock)
     return engine, clock
 
 
@@ -386,12 +435,9 @@ class Driver:
 
 @contextmanager
 def open_output(path: Path, flag: str) -> Iterator[IO[str]]:
-    """Open an output file before the run starts, so a bad path fails at once, by name."""
-    try:
-        f = open(path, "w", encoding="utf-8")  # noqa: SIM115
-    except OSError as e:
-        raise RunError(f"cannot write {flag} {path}: {e.strerror or e}") from None
-    with f:
+    """Open an output file before the run starts, so a bad path fails at once, by name; never
+    through a symlink or into a FIFO or device (see ``paths.open_output``)."""
+    with paths.open_output(path, flag) as f:
         yield f
 
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
 
 from .engine import distributed
+from .engine.config import EngineConfig
+from .engine.cpu.quantize import check_quantization
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.loader import load_model
-from .engine.model_runner import ModelRunner
-from .engine.quantize import check_quantization, file_blocks, with_gguf_blocks
+from .engine.model_runner import ModelRunner, resolve_device
 from .engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -20,8 +22,13 @@ class LLM:
     """A model on a paged KV cache.
 
     ``model`` is a Hugging Face folder, a ``.gguf`` file, or None for the default
-    SmolLM2-135M-Instruct. On CPU the cache size comes from ``num_blocks`` or the
-    ``kv_cache_memory`` budget in bytes; on GPU from ``gpu_memory_utilization``.
+    SmolLM2-135M-Instruct. The engine's settings are an ``EngineConfig`` (``config``), or its
+    field names as keywords (``LLM(model, block_size=16, num_blocks=64)``), or both: keywords
+    override the config's fields. After loading, ``engine_config`` holds what runs, with
+    ``max_model_len`` resolved against the model's own limit.
+
+    On CPU the cache size comes from ``num_blocks`` or the ``kv_cache_memory`` budget in bytes;
+    on GPU from ``gpu_memory_utilization``.
 
     ``tensor_parallel_size=N`` splits the model over N processes (this one is rank 0 and
     schedules and samples; N-1 workers are spawned, or the ranks of an existing torchrun
@@ -29,81 +36,46 @@ class LLM:
     ``shutdown()`` (or use ``with LLM(...) as llm:``) to stop the workers; interpreter exit
     does it too.
 
-    ``quantization="auto"`` (the default) keeps a GGUF file's own quantized blocks (Q4_0,
-    Q4_1, Q8_0) next to the float weights and runs steps of few sequences on them (CPU, one
-    rank): ~3x faster single-sequence decoding, same weights, inputs rounded to int8 per 32
-    values as llama.cpp does; other models and devices run as ``"none"``. ``"int8"`` or
-    ``"int4"`` keeps only quantized weights (4-8x less memory; batches of many rows
-    dequantize on the fly). None or ``"none"`` computes with the float weights only. After
-    loading, ``quantization`` says what runs ("auto", "int8", "int4" or None). See
-    ``engine/quantize.py``.
+    ``quantization="auto"`` (the default) runs a GGUF file's own quantized blocks (Q4_0, Q4_1,
+    Q8_0) as they are, each held once in a layout that serves every batch size (CPU, one
+    rank): ~3x faster single-sequence decoding than float32 in a sixth of the memory. Decode
+    steps round the projections' inputs to int8 per 32 values as llama.cpp does; prompts are
+    computed on 16-bit inputs. Other models and devices run as ``"none"``. ``"int8"`` or
+    ``"int4"`` quantize every layer (a file's 4-bit blocks stay 4-bit). None or ``"none"``
+    computes in float32 end to end. After loading, ``quantization`` says what runs ("auto",
+    "int8", "int4" or None). See ``engine/cpu/quantize.py``.
     """
 
     def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str | None = None,
-        device: str | None = None,
-        block_size: int = 256,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 4096,
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        tensor_parallel_size: int = 1,
-        quantization: str | None = "auto",
+        self, model: str | None = None, *, config: EngineConfig | None = None, **settings: Any
     ) -> None:
+        config = EngineConfig(**settings) if config is None else replace(config, **settings)
+        size = config.tensor_parallel_size
         # Fails fast (before loading anything) when this process cannot host that many ranks.
-        mode = distributed.parallel_mode(tensor_parallel_size)
+        mode = distributed.parallel_mode(size)
         # Checked before loading too, so a bad value or device fails at once.
-        quantization = check_quantization(quantization, _device(device), tensor_parallel_size)
+        quantization = check_quantization(config.quantization, resolve_device(config.device), size)
         loaded = load_model(model)
-        weights = loaded.weights
-        blocks = None
-        if quantization is not None and not os.path.isfile(loaded.source):  # not a GGUF file
-            quantization = None if quantization == "auto" else quantization
-        elif quantization == "auto":
-            blocks = file_blocks(loaded.source)
-        elif quantization is not None:
-            weights = with_gguf_blocks(weights, loaded.source, quantization)
+        # The file's own blocks (empty for safetensors): what the CPU formats take as they are.
+        weights, blocks = loaded.weights, loaded.blocks if quantization is not None else None
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.source
         limit = self.config.max_position_embeddings
-        if max_model_len is not None and max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        self.max_model_len = min(max_model_len or limit, limit)
-        options = dict(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            dtype=dtype,
-            device=device,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-        )
-        if quantization is not None:
-            options["quantization"] = quantization
-        if blocks:
-            options["quantized_blocks"] = blocks
-        self.tensor_parallel_size = tensor_parallel_size
+        config = replace(config, max_model_len=config.model_len(limit), quantization=quantization)
+        self.engine_config = config
+        self.max_model_len = config.max_model_len
+        self.tensor_parallel_size = size
         self.rank = 0  # tensor-parallel rank: only rank 0 schedules, samples and generates
         # The engine is not thread-safe: generate/stream calls take turns on it.
         self._stream_lock = threading.Lock()
         self._stream_thread: int | None = None
         if mode == "single":
-            self.model_runner = ModelRunner(self.config, weights, **options)
+            self.model_runner = ModelRunner(self.config, weights, config, quantized_blocks=blocks)
             self.executor = self.model_runner
         else:
             rank = distributed.process_rank()
-            executor = distributed.start_tensor_parallel(loaded, tensor_parallel_size, options)
+            executor = distributed.start_tensor_parallel(loaded, config)
             if executor is None:  # a worker rank of a torchrun group: rank 0 has shut down
                 self.rank = rank
                 self.model_runner = self.executor = self.engine = None
@@ -113,16 +85,7 @@ class LLM:
         # What runs: "auto" falls back to None where the file has no blocks to take.
         self.quantization = self.model_runner.quantization
         del loaded, weights, blocks
-        self.engine = LLMEngine(
-            self.executor,
-            num_blocks=self.executor.num_blocks,
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            eos_token_ids=self.config.eos_token_ids,
-        )
+        self.engine = LLMEngine(self.executor, config, eos_token_ids=self.config.eos_token_ids)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and release their process groups (no-op with one rank).
@@ -218,15 +181,6 @@ class LLM:
             "ttft": out.first_token_time - out.arrival_time,
             "latency": out.finish_time - out.arrival_time,
         }
-
-
-def _device(device: str | None) -> str:
-    """The device a ModelRunner picks for ``device``, without building one."""
-    if device is not None:
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _broadcast(

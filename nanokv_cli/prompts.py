@@ -2,11 +2,16 @@
 
 Every reader yields ``PromptRequest`` objects and reports a bad input as ``PromptFileError``
 naming the file and the line (or array entry) at fault, so the CLI can print one sentence.
+Inputs are read defensively: only regular files (a FIFO or /dev/zero never ends), lines of at
+most ``MAX_LINE_CHARS``, JSON however deeply nested, text that is valid Unicode.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine.sampling_params import SamplingParams
+from .paths import kind_of
 
 FORMATS = ("auto", "text", "jsonl", "sharegpt", "mooncake")
 SAMPLING_FIELDS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "ignore_eos")
@@ -21,6 +27,11 @@ PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 SHAREGPT_ROLES |= {"system": "system", "chatgpt": "assistant", "bard": "assistant"}
+# The longest line read (and prompt taken from stdin): far beyond any model's context, and a
+# bound on what one line can cost before the prompt's own length is checked against the model.
+MAX_LINE_CHARS = 1 << 26
+# Bytes that are not UTF-8, as errors="surrogateescape" reads them.
+UNDECODABLE = re.compile("[\udc80-\udcff]")
 
 
 class PromptFileError(ValueError):
@@ -65,8 +76,9 @@ def read_prompts(path: str | Path, fmt: str = "auto", limit: int | None = None) 
         raise PromptFileError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     if not path.exists():
         raise PromptFileError(f"{path}: no such file")
-    if path.is_dir():
-        raise PromptFileError(f"{path}: is a directory, not a prompt file")
+    mode = os.stat(path).st_mode
+    if not path.is_file():
+        raise PromptFileError(f"{path}: is {kind_of(mode)}, not a prompt file")
     if fmt == "auto":
         fmt = detect_format(path)
     readers = {
@@ -90,7 +102,7 @@ def detect_format(path: Path) -> str:
         return "sharegpt"
     if first.startswith("{"):
         try:
-            obj = json.loads(first)
+            obj = _json_loads(first, f"{path} line 1")
         except json.JSONDecodeError:
             if path.suffix == ".json":
                 return "sharegpt"  # a pretty-printed array or object; its reader says which
@@ -109,37 +121,79 @@ def detect_format(path: Path) -> str:
 
 
 def _first_line(path: Path) -> str | None:
-    with _open_text(path) as f:
-        try:
-            for line in f:
-                if line.strip():
-                    return line.strip()
-        except UnicodeDecodeError:
-            raise PromptFileError(
-                f"{path}: unknown format: not UTF-8 text (expected plain text, JSONL, "
-                "ShareGPT JSON or a Mooncake trace)"
-            ) from None
+    # Bytes, decoded line by line: a bad byte further on is its own line's error, later.
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise PromptFileError(f"{path}: {e.strerror}") from None
+    with f:
+        n = 0
+        while raw := f.readline(MAX_LINE_CHARS + 1):
+            n += 1
+            if len(raw) > MAX_LINE_CHARS:
+                raise PromptFileError(f"{path} line {n}: longer than {MAX_LINE_CHARS:,} bytes")
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise PromptFileError(
+                    f"{path}: unknown format: not UTF-8 text (line {n}; expected plain text, "
+                    "JSONL, ShareGPT JSON or a Mooncake trace)"
+                ) from None
+            if line:
+                return line
     return None
 
 
-def _open_text(path: Path):
+def _open_text(path: Path, errors: str = "strict"):
     try:
-        return path.open(encoding="utf-8")
+        return path.open(encoding="utf-8", errors=errors)
     except OSError as e:
         raise PromptFileError(f"{path}: {e.strerror}") from None
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """Non-blank lines with their 1-based numbers."""
+    # Bad bytes decode as lone surrogates (U+DC80..U+DCFF), so the error names its own line
+    # (strict decoding fails on the first line of the 8 KB chunk holding the byte).
+    with _open_text(path, errors="surrogateescape") as f:
+        for n, line in enumerate(_bounded_lines(f, path), 1):
+            if not line.isascii() and UNDECODABLE.search(line):
+                raise PromptFileError(f"{path} line {n}: not UTF-8 text")
+            if line.strip():
+                yield n, line
+
+
+def _bounded_lines(f, path: Path, max_chars: int = MAX_LINE_CHARS) -> Iterator[str]:
+    """The lines of ``f``, refusing one longer than ``max_chars`` before it is read whole."""
     n = 0
-    with _open_text(path) as f:
+    while line := f.readline(max_chars + 1):
+        n += 1
+        if len(line) > max_chars:
+            raise PromptFileError(
+                f"{path} line {n}: longer than {max_chars:,} characters; not a prompt file?"
+            )
+        yield line
+
+
+def _json_loads(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise PromptFileError(f"{where}: JSON nested too deeply") from None
+
+
+def check_text(value: str, where: str, name: str) -> str:
+    """``value`` if it is valid Unicode; a lone surrogate (from a JSON escape such as
+    ``"\\ud800"``) is refused here, by line, rather than by the tokenizer."""
+    if not value.isascii():
         try:
-            for line in f:
-                n += 1
-                if line.strip():
-                    yield n, line
-        except UnicodeDecodeError:
-            raise PromptFileError(f"{path} line {n + 1}: not UTF-8 text") from None
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise PromptFileError(
+                f"{where}: {name} holds a lone surrogate ({value[e.start]!r}) at character "
+                f"{e.start}: not valid Unicode"
+            ) from None
+    return value
 
 
 def read_text(path: Path) -> Iterator[PromptRequest]:
@@ -151,7 +205,7 @@ def read_text(path: Path) -> Iterator[PromptRequest]:
 def read_jsonl(path: Path) -> Iterator[PromptRequest]:
     for n, line in _lines(path):
         try:
-            obj = json.loads(line)
+            obj = _json_loads(line, f"{path} line {n}")
         except json.JSONDecodeError as e:
             raise PromptFileError(f"{path} line {n}: not valid JSON ({e.msg})") from None
         yield parse_record(obj, f"{path} line {n}", n)
@@ -170,7 +224,7 @@ def parse_record(obj: Any, where: str, line: int = 0) -> PromptRequest:
     if key == "prompt":
         if not isinstance(value, str):
             raise PromptFileError(f"{where}: 'prompt' must be a string")
-        req.prompt = value
+        req.prompt = check_text(value, where, "'prompt'")
     elif key == "messages":
         req.messages = _messages(value, where)
     else:
@@ -216,12 +270,24 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
         raise PromptFileError(
             f'{where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}'
         )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [
+        {
+            "role": check_text(m["role"], where, "a role"),
+            "content": check_text(m["content"], where, "a message"),
+        }
+        for m in value
+    ]
 
 
 def _timestamp(value: Any, where: str, scale: float) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
-        raise PromptFileError(f"{where}: 'timestamp' must be a number >= 0")
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not value >= 0
+    ):
+        # NaN never arrives and infinity never ends a run: both would hang a replay.
+        raise PromptFileError(f"{where}: 'timestamp' must be a finite number >= 0")
     return value * scale
 
 
@@ -237,6 +303,8 @@ def read_sharegpt(path: Path) -> Iterator[PromptRequest]:
         raise PromptFileError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
     except UnicodeDecodeError:
         raise PromptFileError(f"{path}: not UTF-8 text") from None
+    except RecursionError:
+        raise PromptFileError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, list):
         raise PromptFileError(
             f"{path}: unknown format: a JSON file must hold an array of ShareGPT conversations"
@@ -264,7 +332,7 @@ def _sharegpt_prompt(turns: list[Any], where: str) -> list[dict[str, str]]:
             raise PromptFileError(f"{where}: unknown speaker {turn.get('from')!r}")
         if role == "assistant":
             break
-        messages.append({"role": role, "content": turn["value"]})
+        messages.append({"role": role, "content": check_text(turn["value"], where, "a turn")})
     return messages if any(m["role"] == "user" for m in messages) else []
 
 

@@ -10,8 +10,7 @@ counted apart (``readmission_*``); ``miss_tokens`` splits every missed token by 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -294,18 +293,26 @@ class InfiniteCache:
         return _ratio(self.hit_tokens, self.prompt_tokens)
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
-    """Write JSON so that ``path`` holds either its old content or the whole new one."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def write_json_atomic(path: str | Path, obj: Any, flag: str = "--report") -> None:
+    """Write JSON so that ``path`` holds either its old content or the whole new one (see
+    ``paths.write_atomic``: no symlinks or special files; an old file's permissions kept)."""
+    from .paths import write_atomic
+
+    write_atomic(Path(path), json_text(obj).encode("utf-8"), flag)
+
+
+def json_text(obj: Any) -> str:
+    """``obj`` as indented JSON, with every NaN or infinity written as null: JSON has no such
+    numbers, and a report holding them would not parse elsewhere."""
+    return json.dumps(finite(obj), indent=2, allow_nan=False) + "\n"
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with non-finite floats replaced by None (in dicts, lists and tuples)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj

@@ -673,7 +673,10 @@ class ServerState:
                 raise ApiError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            try:
+                return self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
+            except TokenizerError as e:  # longer than the model can take, or not Unicode
+                raise ApiError(400, str(e), param="prompt") from None
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ApiError(

@@ -22,8 +22,12 @@ the reader drops with a note. Version 1 traces (JSONL) are still read.
 
 from __future__ import annotations
 
+import ast
 import bisect
 import json
+import math
+import os
+import stat
 import struct
 import sys
 import time
@@ -38,6 +42,7 @@ import numpy as np
 import zstandard
 
 from . import __version__
+from .engine.block_manager import MISS_REASONS
 from .engine.events import (
     AllBlocksCleared,
     BlockAllocated,
@@ -55,6 +60,7 @@ from .engine.events import (
     event_from_dict,
     event_to_dict,
 )
+from .paths import kind_of, open_output
 
 TRACE_FORMAT = "nanokv-trace"
 TRACE_VERSION = 2
@@ -97,25 +103,88 @@ class TraceError(ValueError):
 # A header may claim any cache size; a reader allocates per block, so bound what it accepts.
 MAX_NUM_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 1 << 20
+MAX_HEADER_CHARS = 1 << 20  # a version-1 header line is a few hundred
 
 
-def _check_header(path: Path, h: Any, version: int) -> None:
+def _check_header(path: Path, h: Any, version: int) -> str | None:
+    """Refuse a header whose cache a reader cannot build; returns a note when its ``model``
+    cannot name a tokenizer (that only costs the block text, so the trace still opens)."""
     where = f"{path} line 1" if version == 1 else str(path)
     for key, top in (("block_size", MAX_BLOCK_SIZE), ("num_blocks", MAX_NUM_BLOCKS)):
         v = h.get(key)
         if type(v) is not int or not 1 <= v <= top:
             raise TraceError(f"{where}: header lacks a valid {key!r} (1 to {top:,})")
-    if h.get("model") is not None and not isinstance(h["model"], str):
-        h["model"] = None  # only names a tokenizer for block text: ignore a bad one
+    if "model" not in h:
+        h["model"] = None
+        return "the trace's header names no model"
+    model = h["model"]
+    if model is not None and (not isinstance(model, str) or not model):
+        h["model"] = None  # views show the header's model as a path
+        return f"the trace's header names no model path (its model is {_short(model)})"
+    return None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_event(event: Event, num_blocks: int) -> None:
     """Refuse fields that would corrupt a rebuilt state (a negative block id would alias
-    another block through Python's negative indexing)."""
+    another block through Python's negative indexing) or break what reads it (a count that
+    is a string, a miss reason no view knows)."""
     for name in ("block_id", "seq_id", "ref_count"):
         v = getattr(event, name, 0)
         if type(v) is not int or v < 0 or (name == "block_id" and v >= num_blocks):
-            raise ValueError(f"{type(event).__name__}.{name} = {v!r} is out of range")
+            raise ValueError(f"{type(event).__name__}.{name} = {_short(v)} is out of range")
+    for name, ok in _FIELD_CHECKS[type(event)]:
+        v = getattr(event, name)
+        if not ok(v):
+            raise ValueError(f"{type(event).__name__}.{name} = {_short(v)} is not valid")
+
+
+def _is_number(v: object) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _is_schedule(v: object) -> bool:
+    return isinstance(v, list) and all(
+        len(x) == 2 and type(x[0]) is int and type(x[1]) is int for x in v
+    )
+
+
+def _is_miss_tokens(v: object) -> bool:
+    return isinstance(v, dict) and all(type(n) is int for n in v.values())
+
+
+def _field_checks(cls: type) -> tuple[tuple[str, Callable[[Any], bool]], ...]:
+    """A type test for each field of ``cls`` that a reader computes with or looks up,
+    from its annotation (a string: events.py defers them)."""
+    checks: list[tuple[str, Callable[[Any], bool]]] = []
+    for f in fields(cls):
+        if f.name in ("block_id", "seq_id", "ref_count"):
+            continue  # checked with their ranges
+        if f.name in ("block_hash", "parent_hash"):
+            continue  # only compared and shown; the most frequent fields, so left unchecked
+        if f.name == "reason" and cls is CacheLookup:
+            checks.append((f.name, MISS_REASONS.__contains__))
+        elif f.type == "int":
+            checks.append((f.name, lambda v: type(v) is int))
+        elif f.type == "float":
+            checks.append((f.name, _is_number))
+        elif f.type == "bool":
+            checks.append((f.name, lambda v: type(v) is bool))
+        elif f.type.startswith("Literal["):
+            allowed = frozenset(ast.literal_eval(f.type[len("Literal") :]))
+            checks.append((f.name, lambda v, allowed=allowed: type(v) is str and v in allowed))
+        elif f.type == "list[tuple[int, int]]":
+            checks.append((f.name, _is_schedule))
+        elif f.type == "dict[str, int]":
+            checks.append((f.name, _is_miss_tokens))
+    return tuple(checks)
+
+
+_FIELD_CHECKS = {cls: _field_checks(cls) for cls in _CODES}
 
 
 def make_header(
@@ -158,7 +227,8 @@ class TraceWriter:
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
         self.path = Path(path)
         self.block_size = header["block_size"]
-        self._file: IO[bytes] | None = open(self.path, "wb")  # noqa: SIM115
+        # Never through a symlink or into a FIFO or device (paths.open_output says why).
+        self._file: IO[bytes] | None = open_output(self.path, "--record", binary=True)
         self._zstd = zstandard.ZstdCompressor(level=3, write_checksum=True)
         self._file.write(MAGIC)
         self._record(b"H", 0, 0, header)
@@ -356,6 +426,7 @@ class TraceReader:
         elif magic[:1] == b"{":
             self._v1 = _JsonlTrace(self.path)
             self.header = self._v1.header
+            self._model_note = self._v1.model_note
         else:
             raise TraceError(
                 f"{self.path}: not a nanokv trace (write one with `nanokv replay ... --record FILE`)"
@@ -399,7 +470,9 @@ class TraceReader:
             raw = zstandard.ZstdDecompressor().decompress(data)
             return msgpack.unpackb(raw, raw=False, strict_map_key=False)
         except (zstandard.ZstdError, ValueError, msgpack.UnpackException) as e:
-            raise TraceError(f"{self.path}: damaged record at byte {at} ({e})") from None
+            # The record's own offset, as the scan names a damaged prefix.
+            where = at - _PREFIX.size
+            raise TraceError(f"{self.path}: damaged record at byte {where} ({e})") from None
 
     def _check_header(self) -> None:
         h = self.header
@@ -410,7 +483,25 @@ class TraceReader:
                 f"{self.path}: trace format version {h.get('version')} is not supported "
                 f"(this nanokv reads versions 1 and {TRACE_VERSION})"
             )
-        _check_header(self.path, h, TRACE_VERSION)
+        self._model_note = _check_header(self.path, h, TRACE_VERSION)
+
+    def model_path(self) -> tuple[str | None, str | None]:
+        """The model the header names, to decode block text with, and None; or None and why
+        it cannot be used (the text is then left out). Only a file or a folder is handed on:
+        reading a FIFO would block and a device never ends."""
+        if self._model_note is not None:
+            return None, self._model_note
+        model = self.header["model"]
+        if model is None:  # a run on token ids only
+            return None, None
+        try:
+            mode = os.stat(Path(model).expanduser()).st_mode
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+            why = getattr(e, "strerror", None) or str(e)
+            return None, f"the trace's model {_short(model)}: {why}"
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            return None, f"the trace's model {_short(model)} is {kind_of(mode)}, not a model"
+        return model, None
 
     @property
     def block_size(self) -> int:
@@ -579,6 +670,8 @@ class TraceReader:
                     )
                     events = events[: end + 1]
                 state.apply_all(events)
+        except TraceError:
+            raise  # already says what is wrong
         except (IndexError, ValueError, StopIteration) as e:
             raise TraceError(f"{self.path}: events do not fit the header's cache ({e})") from None
         return state
@@ -600,9 +693,10 @@ class TraceReader:
                 checkpoint = rec
         start = 0
         if checkpoint is not None:
-            cp = self._payload(checkpoint)
-            state.ref_count = np.frombuffer(cp["ref_count"], dtype="<i4").tolist()
-            state.block_tables = {s: list(t) for s, t in cp["tables"]}
+            try:
+                state.ref_count, _, state.block_tables = self._books(self._payload(checkpoint))
+            except (KeyError, TypeError, ValueError) as e:
+                raise TraceError(f"{self.path}: damaged checkpoint ({e})") from None
             start = checkpoint[1] + 1
 
         def events() -> Iterator[Event]:
@@ -614,9 +708,7 @@ class TraceReader:
 
     def _restore(self, state: CacheState, cp: dict[str, Any]) -> None:
         try:
-            state.ref_count = np.frombuffer(cp["ref_count"], dtype="<i4").tolist()
-            state.block_hash = list(cp["block_hash"])
-            state.block_tables = {s: list(t) for s, t in cp["tables"]}
+            state.ref_count, state.block_hash, state.block_tables = self._books(cp)
             self._resolve_sources(state, cp["sources"])
             for seq_id in cp["unfinished"]:
                 state.prompts[seq_id] = self.prompt(seq_id)[0]
@@ -626,6 +718,23 @@ class TraceReader:
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"{self.path}: damaged checkpoint ({e})") from None
 
+    def _books(self, cp: dict[str, Any]) -> tuple[list[int], list[int], dict[int, list[int]]]:
+        """A checkpoint's ref counts, hashes and block tables, checked against the header's
+        cache: a list of another length, or a block id out of range, corrupts the state."""
+        n = self.num_blocks
+        ref_count = np.frombuffer(cp["ref_count"], dtype="<i4")
+        block_hash = list(cp["block_hash"])
+        if len(ref_count) != n or len(block_hash) != n or (ref_count < 0).any():
+            raise ValueError(f"its ref counts and hashes do not fit {n:,} blocks")
+        tables = {}
+        for seq_id, table in cp["tables"]:
+            if type(seq_id) is not int or seq_id < 0:
+                raise ValueError(f"sequence id {_short(seq_id)}")
+            if not all(type(b) is int and 0 <= b < n for b in table):
+                raise ValueError(f"the block table of sequence {seq_id} is out of range")
+            tables[seq_id] = list(table)
+        return ref_count.tolist(), block_hash, tables
+
 
 class _JsonlTrace:
     """Version 1: a JSONL header line, then one event per line (read-only)."""
@@ -633,7 +742,7 @@ class _JsonlTrace:
     def __init__(self, path: Path) -> None:
         self.path = path
         with open(path, encoding="utf-8", errors="replace") as f:
-            line = f.readline()
+            line = f.readline(MAX_HEADER_CHARS)  # a file of no newlines is not read whole
         try:
             header = json.loads(line)
         except json.JSONDecodeError:
@@ -647,21 +756,23 @@ class _JsonlTrace:
                 f"{path}: trace format version {header.get('version')} is not supported "
                 f"(this nanokv reads versions 1 and {TRACE_VERSION})"
             )
-        _check_header(path, header, 1)
+        self.model_note = _check_header(path, header, 1)
         self.header = header
 
     def events(self) -> Iterator[Event]:
-        n = 1
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                f.readline()
-                for n, line in enumerate(f, 2):
-                    if not line.endswith("\n"):
-                        return  # killed mid-line: the file ends at the last whole step
-                    if line.strip():
-                        yield self._event(line, n)
-        except UnicodeDecodeError:
-            raise TraceError(f"{self.path} line {n + 1}: not UTF-8 text") from None
+        # Bytes, decoded line by line: a text file decodes whole chunks, so its error would
+        # name the line being read, not the one holding the bad bytes.
+        with open(self.path, "rb") as f:
+            f.readline()
+            for n, raw in enumerate(f, 2):
+                if not raw.endswith(b"\n"):
+                    return  # killed mid-line: the file ends at the last whole step
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise TraceError(f"{self.path} line {n}: not UTF-8 text") from None
+                if line.strip():
+                    yield self._event(line, n)
 
     def _event(self, line: str, n: int) -> Event:
         try:

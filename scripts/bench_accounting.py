@@ -45,6 +45,11 @@ from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
 from nanokv_cli.engine.scheduler import Scheduler  # noqa: E402
 from nanokv_cli.engine.sequence import Sequence  # noqa: E402
 
+try:
+    from nanokv_cli.engine.config import EngineConfig  # noqa: E402
+except ImportError:  # --against a revision from before EngineConfig: keyword settings
+    EngineConfig = None
+
 TRACE = HERE.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
@@ -153,14 +158,14 @@ def bare_loop_us(num_seqs: int, steps: int) -> float:
 
 def run_trace(num_blocks: int, at_once: bool, limit: int | None) -> dict:
     clock = VirtualClock()
-    engine = LLMEngine(
-        DryRunExecutor(clock=clock),
-        num_blocks=num_blocks,
-        block_size=512,
-        max_num_seqs=256,
-        max_num_batched_tokens=16384,
-        clock=clock,
+    settings = dict(
+        num_blocks=num_blocks, block_size=512, max_num_seqs=256, max_num_batched_tokens=16384
     )
+    if EngineConfig is None:
+        engine = LLMEngine(DryRunExecutor(clock=clock), clock=clock, **settings)
+    else:
+        config = EngineConfig(**settings)
+        engine = LLMEngine(DryRunExecutor(config, clock=clock), config, clock=clock)
     reqs = (
         Request(
             r.prompt_token_ids,

@@ -2,10 +2,11 @@
 
 Every benchmark runs nanokv and its baseline (Hugging Face transformers on the *same* weights,
 dtype, device and prompts) in one invocation and prints the ratio, because absolute numbers
-move with the machine and its load. The transformers model is built from the Hugging Face
-folder nanokv itself loaded: a model folder, or the loader's cache entry for a GGUF (a complete
-folder with config.json and model.safetensors), or - with ``--random-weights`` - a folder of
-random weights written from a config dict (no model hub needed).
+move with the machine and its load. The transformers model is built from a Hugging Face
+folder of the same weights: the model folder, or for a GGUF file its float32 export
+(``loader.export_hf_folder``) in the benchmark's temporary directory, or - with
+``--random-weights`` - a folder of random weights written from a config dict (no model hub
+needed).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from nanokv_cli.engine.loader import load_model  # noqa: E402
+from nanokv_cli.engine.loader import default_model_path, export_hf_folder  # noqa: E402
 
 # Qwen3-0.6B's config.json (nano-vllm's benchmark model), written out because hubs may be
 # unreachable; --random-weights fills it with random weights.
@@ -108,17 +109,14 @@ def resolve_dtype_name(dtype: str, device: str) -> torch.dtype:
 
 
 def model_folder(args: argparse.Namespace, dtype: torch.dtype, workdir: str) -> str:
-    """A Hugging Face folder both engines load: the model's own, a GGUF's cache entry, or random."""
+    """A Hugging Face folder both engines can load: the model's own, a GGUF's float32 export
+    into ``workdir``, or random weights."""
     if args.random_weights:
         return write_random_model(RANDOM_CONFIGS[args.random_weights], dtype, args.device, workdir)
-    loaded = load_model(args.model)
-    folder = loaded.cache_path or loaded.source
-    if not os.path.isdir(folder):
-        raise SystemExit(
-            f"{loaded.source}: no Hugging Face folder to build the transformers baseline from "
-            "(the GGUF cache could not be written)"
-        )
-    return folder
+    model = args.model or default_model_path()
+    if os.path.isdir(model):
+        return model
+    return str(export_hf_folder(model, Path(workdir) / "hf-model"))
 
 
 def write_random_model(config: dict[str, Any], dtype: torch.dtype, device: str, out: str) -> str:

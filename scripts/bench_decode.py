@@ -62,7 +62,7 @@ from bench_common import (  # noqa: E402
 )
 
 from nanokv_cli import LLM, SamplingParams  # noqa: E402
-from nanokv_cli.engine.quantize import resident_weight_bytes  # noqa: E402
+from nanokv_cli.engine.cpu.quantize import resident_weight_bytes  # noqa: E402
 
 PROMPT_TEXT = (
     "The history of computing is a story of memory. Early machines stored a few thousand words "

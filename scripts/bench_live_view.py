@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.console import Console
 
 from nanokv_cli.cli import PromptEncoder, build_requests, dry_run_engine
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.replay import Request, replay
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.prompts import read_prompts
@@ -157,9 +158,10 @@ def main() -> None:
 
     pf = read_prompts(args.trace, limit=args.limit)
     requests = build_requests(pf, PromptEncoder(None, False), SamplingParams(), rate=None)
+    dry = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks)
     compare(
         f"dry run: {len(requests)} Mooncake requests, block size {args.block_size}, {args.num_blocks} blocks",
-        lambda: dry_run_engine(args.block_size, args.num_blocks),
+        lambda: dry_run_engine(dry),
         requests,
         args.repeat,
         ("silent", "stats", "view"),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from nanokv_cli.engine.config import ModelConfig  # noqa: E402
+from nanokv_cli.engine.config import EngineConfig, ModelConfig  # noqa: E402
 from nanokv_cli.engine.model_runner import ModelRunner  # noqa: E402
 from nanokv_cli.engine.models import build_model, hf_weight_names  # noqa: E402
 from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
@@ -121,16 +121,15 @@ def main() -> None:
     config = ModelConfig.from_hf(SMOLLM2)
     probe_dtype = torch.bfloat16 if args.dtype in ("bfloat16", "bf16") else torch.float32
     weights = random_weights(config, probe_dtype)
-    runner = ModelRunner(
-        config,
-        weights,
+    settings = EngineConfig(
         block_size=args.block_size,
-        num_blocks=None,
         dtype=args.dtype,
         kv_cache_memory=4 << 30,
         max_model_len=2048,
         device="cpu",
+        quantization="none",  # random float weights: no file blocks
     )
+    runner = ModelRunner(config, weights, settings)
     print(f"dtype={runner.dtype} threads={torch.get_num_threads()} block_size={args.block_size}")
     # The throughput benchmark's shape: prompts of 64..512 tokens, up to 256 generated.
     contexts = [random.randint(64, 512) + random.randint(0, 256) for _ in range(max(args.batch))]

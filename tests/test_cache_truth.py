@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from test_properties import run
 
 from nanokv_cli.engine.block_manager import MISS_REASONS, BlockManager
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.events import BlockRemoved, BlockStored, CacheLookup, StepSnapshot
 from nanokv_cli.engine.llm_engine import LLMEngine
@@ -39,13 +40,8 @@ def lookup_of(bm, seq):
 
 def dry_engine(num_blocks=4096, block_size=4, **kw):
     clock = VirtualClock()
-    return LLMEngine(
-        DryRunExecutor(vocab_size=60, clock=clock),
-        num_blocks=num_blocks,
-        block_size=block_size,
-        clock=clock,
-        **kw,
-    )
+    settings = EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw)
+    return LLMEngine(DryRunExecutor(settings, vocab_size=60, clock=clock), settings, clock=clock)
 
 
 # -- one reason per miss, each reason reachable ----------------------------------------------

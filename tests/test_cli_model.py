@@ -135,6 +135,10 @@ def test_missing_model_path():
 
 def test_prompt_too_long(tiny):
     result = nanokv("generate", "word " * 50, "--model", tiny, "--max-model-len", "16")
+    # Refused before tokenizing: 250 characters cannot fit 16 tokens of this vocabulary.
+    assert result.exit_code == 1 and "more than 16 tokens can hold" in result.stderr
+    # Short enough in bytes, too long in tokens: refused once tokenized.
+    result = nanokv("generate", "word " * 20, "--model", tiny, "--max-model-len", "16")
     assert result.exit_code == 1 and "exceeds max_model_len (16)" in result.stderr
 
 

@@ -6,6 +6,7 @@ with every fast path switched off, so the torch paths other machines take stay c
 """
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tiny_models import make_tiny_model
 
-from nanokv_cli.engine.config import ModelConfig
-from nanokv_cli.engine.layers import cpu_kernels
-from nanokv_cli.engine.layers import linear as linear_layers
+from nanokv_cli.engine.config import EngineConfig, ModelConfig
+from nanokv_cli.engine.cpu import build
+from nanokv_cli.engine.cpu import kernels as cpu_kernels
+from nanokv_cli.engine.cpu.formats import RowPackedLinear
 from nanokv_cli.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from nanokv_cli.engine.model_runner import ModelRunner
 from nanokv_cli.engine.sampling_params import SamplingParams
@@ -52,17 +54,12 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 SHAPES = [(9, 3, 64, 256), (4, 4, 128, 16), (8, 2, 16, 1), (6, 2, 72, 7), (4, 1, 20, 5)]
 
 
-def cpu_has_f16c() -> bool:
-    cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and " f16c" in cpuinfo.read_text()
+def test_float16_cache_support_follows_the_variant():
+    # The AVX2 and AVX-512 builds convert float16 in hardware (F16C); the plain-C one does not.
+    assert cpu_kernels.half_cache_supported() == ("f16c" in build.active_variant().requires)
 
 
-def test_float16_cache_support_follows_the_cpu():
-    # The library is built with -march=native: F16C in the CPU means F16C in the kernels.
-    assert cpu_kernels.half_cache_supported() == cpu_has_f16c()
-
-
-CACHE_DTYPES = [torch.float32] + ([torch.float16] if cpu_has_f16c() else [])
+CACHE_DTYPES = [torch.float32] + ([torch.float16] if cpu_kernels.half_cache_supported() else [])
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", SHAPES)
@@ -208,23 +205,17 @@ def test_kernels_can_be_switched_off(monkeypatch):
     assert cpu_kernels._library.__wrapped__() is None
 
 
-@pytest.mark.skipif(
-    not linear_layers.single_row_packing_available(), reason="torch built without MKL"
-)
+@pytest.mark.skipif(not RowPackedLinear.available(), reason="torch built without MKL")
 def test_packed_weight_serves_single_rows_only():
     g = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(1024, 96, generator=g), torch.randn(1024, generator=g)
-    packed = linear_layers.pack_for_single_row(weight)
+    layer = RowPackedLinear(weight, bias)
     one = torch.randn(1, 96, generator=g)
     many = torch.randn(3, 96, generator=g)
-    torch.testing.assert_close(
-        linear_layers.linear(one, weight, bias, packed), F.linear(one, weight, bias)
-    )
-    assert torch.equal(
-        linear_layers.linear(many, weight, bias, packed), F.linear(many, weight, bias)
-    )
-    assert linear_layers.worth_packing(weight)
-    assert not linear_layers.worth_packing(weight.t().contiguous())  # narrow output: slower
+    torch.testing.assert_close(layer(one), F.linear(one, weight, bias))
+    assert torch.equal(layer(many), F.linear(many, weight, bias))
+    assert RowPackedLinear.worth_packing(weight)
+    assert not RowPackedLinear.worth_packing(weight.t().contiguous())  # narrow output: slower
 
 
 # -- the runner with and without its fast paths -------------------------------------------------
@@ -258,33 +249,41 @@ def greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int) -> tup
     return [s.completion_token_ids for s in seqs], logits
 
 
-def without_fast_paths(runner: ModelRunner) -> ModelRunner:
-    runner.use_cpu_kernel = False
-    runner.cpu_decoder = None
-    for module in runner.model.modules():
-        if hasattr(type(module), "cpu_kernels"):
-            module.cpu_kernels = False
-        if getattr(module, "packed_row", None) is not None:
-            module.packed_row = None
-    return runner
+@contextmanager
+def without_fast_paths(monkeypatch):
+    """As on a machine without a C compiler or MKL: every layer takes its torch path (the
+    layers ask ``kernels.runs`` at each call, so the switch holds while it is on)."""
+    with monkeypatch.context() as m:
+        m.setenv("NANOKV_CPU_KERNELS", "0")
+        m.setattr(RowPackedLinear, "available", staticmethod(lambda: False))
+        cpu_kernels._library.cache_clear()
+        try:
+            yield
+        finally:
+            cpu_kernels._library.cache_clear()
 
 
 def test_runner_fast_paths_agree_with_the_torch_paths(qwen3, monkeypatch):
     config, weights = qwen3
-    # Pack every projection, so the 1-row packed path runs in the decode steps below.
-    monkeypatch.setattr("nanokv_cli.engine.model_runner.worth_packing", lambda w: True)
+    # Pack the LM head, so the 1-row packed path runs in the decode steps below.
+    monkeypatch.setattr(RowPackedLinear, "worth_packing", staticmethod(lambda w: True))
 
     def make():
-        return ModelRunner(
-            config, weights, block_size=16, num_blocks=64, dtype="float32", device="cpu"
+        settings = EngineConfig(
+            block_size=16, num_blocks=64, dtype="float32", device="cpu", quantization="none"
         )
+        return ModelRunner(config, weights, settings)
 
     fast = make()
     assert fast.use_cpu_kernel and fast.packed_weight_bytes > 0
+    assert isinstance(fast.model.lm_head, RowPackedLinear)
     prompts = [[(i * 7 + j * 3) % 250 + 3 for i in range(n)] for j, n in enumerate((1, 19, 40))]
     for batch in (prompts, prompts[1:2]):  # a batch, and one sequence (1-row matmuls)
         fast_tokens, fast_logits = greedy_run(fast, batch, 6)
-        slow_tokens, slow_logits = greedy_run(without_fast_paths(make()), batch, 6)
+        with without_fast_paths(monkeypatch):
+            slow = make()
+            assert not slow.use_cpu_kernel and slow.cpu_decoder is None
+            slow_tokens, slow_logits = greedy_run(slow, batch, 6)
         assert fast_tokens == slow_tokens
         torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=0)
 
@@ -314,15 +313,10 @@ def test_decode_step_in_one_call_matches_the_layer_by_layer_path(
     monkeypatch.setattr(cpu_kernels, "decode_step", lambda *a: calls.append(1) or real(*a))
 
     def make(fused: bool) -> ModelRunner:
-        runner = ModelRunner(
-            config,
-            weights,
-            block_size=8,
-            num_blocks=64,
-            dtype="float32",
-            device="cpu",
-            quantization=quantization,
+        settings = EngineConfig(
+            block_size=8, num_blocks=64, dtype="float32", device="cpu", quantization=quantization
         )
+        runner = ModelRunner(config, weights, settings)
         assert runner.cpu_decoder is not None and runner.fused_max_rows >= 16
         if not fused:
             runner.cpu_decoder = None

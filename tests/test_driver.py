@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from nanokv_cli.driver import Arrivals, Driver, Request, RequestQueue, Run, dry_run_engine
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.events import SequenceAdded, StepSnapshot
 from nanokv_cli.engine.sampling_params import SamplingParams
 
@@ -18,7 +19,7 @@ def req(n: int = 40, first: int = 1, tag=None, max_tokens: int = 8) -> Request:
 
 
 def test_arrivals_are_admitted_when_they_arrive():
-    engine, clock = dry_run_engine(16, 64)
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
     added = []
     engine.events.subscribe(lambda e: added.append(e) if type(e) is SequenceAdded else None)
     late = Request(list(range(100, 140)), SP, arrival_time=2.0)
@@ -30,14 +31,14 @@ def test_arrivals_are_admitted_when_they_arrive():
 
 
 def test_arrivals_out_of_order_are_an_error():
-    engine, clock = dry_run_engine(16, 64)
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
     first = Request([1, 2, 3], SP, arrival_time=1.0)
     with pytest.raises(ValueError, match="order of arrival"):
         list(Driver(engine, clock).run(Arrivals([first, Request([4, 5], SP, arrival_time=0.5)])))
 
 
 def test_rejections_go_to_the_callback_or_raise():
-    engine, clock = dry_run_engine(16, 4)  # 64 tokens of cache
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=4))  # 64 tokens of cache
     too_big = req(n=100, tag="big")
     rejected = []
     driver = Driver(engine, clock, on_rejected=lambda r, e: rejected.append((r.tag, str(e))))
@@ -48,7 +49,7 @@ def test_rejections_go_to_the_callback_or_raise():
 
 
 def test_a_queue_fed_from_another_thread_runs_until_closed():
-    engine, clock = dry_run_engine(16, 256)
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=256))
     queue = RequestQueue()
     done = {}
 
@@ -73,7 +74,7 @@ def test_a_queue_fed_from_another_thread_runs_until_closed():
 
 
 def test_an_abort_frees_the_blocks_and_the_idle_engine_steps_once_more():
-    engine, clock = dry_run_engine(16, 64)
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
     snaps = []
     engine.events.subscribe(lambda e: snaps.append(e) if type(e) is StepSnapshot else None)
     queue = RequestQueue()
@@ -95,7 +96,7 @@ def test_an_abort_frees_the_blocks_and_the_idle_engine_steps_once_more():
 
 
 def test_abort_all_and_an_abort_before_admission():
-    engine, clock = dry_run_engine(16, 64)
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
     queue = RequestQueue()
     a, b, c = req(tag="a", max_tokens=100), req(first=50, tag="b", max_tokens=100), req(tag="c")
     queue.submit(c)
@@ -115,7 +116,7 @@ def test_abort_all_and_an_abort_before_admission():
 def test_run_builds_the_report_and_records_a_trace(tmp_path):
     from nanokv_cli.trace import TraceReader
 
-    engine, clock = dry_run_engine(16, 64)
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
     trace = tmp_path / "run.trace"
     config = {"file": "x.jsonl", "dry_run": True, "model": None}
     with Run(engine, clock, config=config, latencies=False, record=trace) as run:

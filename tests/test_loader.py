@@ -1,4 +1,5 @@
-"""Model loading: Hugging Face folders, GGUF files, the default model, the cache, and bad inputs."""
+"""Model loading: Hugging Face folders, GGUF files (lazy weights, raw blocks, dequantization,
+export to a folder), the default model, and bad inputs."""
 
 import json
 import os
@@ -7,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file, save_file
 from tiny_models import BOS_ID, EOS_ID, make_tiny_model, write_gguf
 
@@ -16,12 +21,17 @@ from nanokv_cli.engine.config import UnsupportedModelError
 from nanokv_cli.engine.loader import (
     DEFAULT_MODEL_SIZE,
     ModelLoadError,
+    QuantizedTensor,
     default_cache_dir,
     default_model_path,
+    dequantize,
     expected_shapes,
+    export_hf_folder,
+    load_gguf_quantized,
     load_model,
     load_tokenizer,
     packaged_model_path,
+    read_gguf,
 )
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -32,11 +42,6 @@ def tiny(tmp_path_factory):
     """One saved tiny model folder per architecture (built once for the module)."""
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
-
-
-@pytest.fixture
-def cache(tmp_path):
-    return tmp_path / "cache"
 
 
 def copy_model(folder: Path, dest: Path) -> Path:
@@ -69,7 +74,7 @@ def test_hf_folder_matches_transformers(tiny, arch):
     assert cfg.eos_token_ids == [EOS_ID] == model.tokenizer.eos_token_ids
     assert cfg.bos_token_id == BOS_ID
     assert model.source == str(tiny[arch].resolve())
-    assert not model.from_cache
+    assert not model.blocks  # a safetensors folder has no GGUF blocks
 
 
 def test_tied_embeddings_have_no_lm_head(tmp_path):
@@ -116,9 +121,9 @@ def test_llama3_rope_scaling_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gguf_f32_equals_safetensors(tiny, tmp_path, cache, arch):
+def test_gguf_f32_equals_safetensors(tiny, tmp_path, arch):
     gguf_file = write_gguf(tiny[arch], tmp_path / f"{arch}.gguf")
-    from_gguf = load_model(gguf_file, cache_dir=cache)
+    from_gguf = load_model(gguf_file)
     from_hf = load_model(tiny[arch])
     assert from_gguf.config == from_hf.config
     assert set(from_gguf.weights) == set(from_hf.weights)
@@ -133,9 +138,9 @@ def test_gguf_f32_equals_safetensors(tiny, tmp_path, cache, arch):
     ) == from_hf.tokenizer.apply_chat_template(messages)
 
 
-def test_gguf_q8_0_is_within_quantization_error(tiny, tmp_path, cache):
+def test_gguf_q8_0_is_within_quantization_error(tiny, tmp_path):
     gguf_file = write_gguf(tiny["llama"], tmp_path / "q8.gguf", quantization="Q8_0")
-    quantized, exact = load_model(gguf_file, cache_dir=cache), load_model(tiny["llama"])
+    quantized, exact = load_model(gguf_file), load_model(tiny["llama"])
     assert quantized.config == exact.config
     changed = 0
     for name, tensor in exact.weights.items():
@@ -148,7 +153,7 @@ def test_gguf_q8_0_is_within_quantization_error(tiny, tmp_path, cache):
     assert changed > 0  # the file really was quantized
 
 
-def test_gguf_llama3_rope_scaling_round_trips(tmp_path, cache):
+def test_gguf_llama3_rope_scaling_round_trips(tmp_path):
     rope = {
         "rope_type": "llama3",
         "rope_theta": 10000.0,
@@ -158,7 +163,7 @@ def test_gguf_llama3_rope_scaling_round_trips(tmp_path, cache):
         "original_max_position_embeddings": 64,
     }
     folder = make_tiny_model("llama", tmp_path / "rope", rope_parameters=rope)
-    model = load_model(write_gguf(folder, tmp_path / "rope.gguf"), cache_dir=cache)
+    model = load_model(write_gguf(folder, tmp_path / "rope.gguf"))
     scaling = model.config.rope_scaling
     assert scaling["rope_type"] == "llama3"
     assert scaling["original_max_position_embeddings"] == 64
@@ -167,40 +172,118 @@ def test_gguf_llama3_rope_scaling_round_trips(tmp_path, cache):
     assert "rope_freqs.weight" not in model.weights
 
 
-def test_gguf_cache_is_written_and_reused(tiny, tmp_path, cache):
-    gguf_file = write_gguf(tiny["qwen2"], tmp_path / "q.gguf")
-    first = load_model(gguf_file, cache_dir=cache)
-    assert not first.from_cache and first.cache_path is not None
-    entry = Path(first.cache_path)
-    assert entry.parent == cache
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in entry.iterdir()
-    }
-    assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temp dir left behind
-    second = load_model(gguf_file, cache_dir=cache)
-    assert second.from_cache and second.cache_path == first.cache_path
-    assert second.source == str(gguf_file.resolve())
-    assert second.config == first.config
-    for name, tensor in first.weights.items():
-        assert torch.equal(second.weights[name], tensor), name
-    assert second.tokenizer.encode("hello 123") == first.tokenizer.encode("hello 123")
+def test_gguf_blocks_are_the_files_bytes(tiny, tmp_path):
+    gguf_file = write_gguf(tiny["llama"], tmp_path / "q8.gguf", quantization="Q8_0")
+    model = load_model(gguf_file)
+    assert set(model.blocks) == {n for n, w in model.weights.items() if w.dim() == 2}
+    for name, block in model.blocks.items():
+        assert block.type_name == "Q8_0" and block.shape == tuple(model.weights[name].shape)
+        # Q/K rows un-permuted as in `weights`, names mapped the same way.
+        assert torch.equal(dequantize(block), model.weights[name]), name
+    up = model.blocks["model.layers.1.mlp.up_proj.weight"]
+    assert not up.data.flags.writeable and up.data.tobytes() in gguf_file.read_bytes()
+    # A view of the file mapping: looking it up again gives the same memory, not a copy.
+    assert np.shares_memory(up.data, model.blocks["model.layers.1.mlp.up_proj.weight"].data)
+    assert load_gguf_quantized(gguf_file).keys() == model.blocks.keys()
 
 
-def test_gguf_without_cache_writes_nothing(tiny, tmp_path, cache):
-    model = load_model(
-        write_gguf(tiny["llama"], tmp_path / "l.gguf"), cache_dir=cache, use_cache=False
-    )
-    assert model.cache_path is None and not cache.exists()
+def test_gguf_weights_are_built_on_lookup_and_not_kept(tiny, tmp_path):
+    model = load_model(write_gguf(tiny["qwen2"], tmp_path / "q.gguf"))
+    name = "model.layers.0.self_attn.q_proj.bias"
+    first, again = model.weights[name], model.weights[name]
+    assert first is not again and torch.equal(first, again)
+    first.add_(1.0)  # a new tensor: neither the file nor the next lookup sees the change
+    assert torch.equal(model.weights[name], again)
+    assert "model.layers.9.mlp.up_proj.weight" not in model.weights
+    with pytest.raises(KeyError):
+        model.weights["model.layers.9.mlp.up_proj.weight"]
 
 
-def test_damaged_cache_entry_is_rebuilt(tiny, tmp_path, cache):
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "l.gguf")
-    entry = Path(load_model(gguf_file, cache_dir=cache).cache_path)
-    weights_file = entry / "model.safetensors"
-    weights_file.write_bytes(weights_file.read_bytes()[:1000])
-    again = load_model(gguf_file, cache_dir=cache)
-    assert not again.from_cache
-    assert load_model(gguf_file, cache_dir=cache).from_cache
+def test_loading_a_gguf_writes_nothing(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "in").mkdir()
+    gguf_file = write_gguf(tiny["llama"], tmp_path / "in" / "l.gguf")
+    model = load_model(gguf_file)
+    assert all(w.abs().sum() > 0 for w in model.weights.values())
+    load_tokenizer(gguf_file)
+    assert not (tmp_path / "cache").exists()
+    assert list((tmp_path / "in").iterdir()) == [gguf_file]
+
+
+@pytest.mark.parametrize("quantization", ["F32", "Q8_0"])
+def test_export_hf_folder_holds_the_gguf_model(tiny, tmp_path, quantization):
+    from transformers import AutoModelForCausalLM
+
+    gguf_file = write_gguf(tiny["llama"], tmp_path / "l.gguf", quantization=quantization)
+    folder = export_hf_folder(gguf_file, tmp_path / "hf")
+    from_gguf, from_folder = load_model(gguf_file), load_model(folder)
+    assert from_folder.config == from_gguf.config
+    assert set(from_folder.weights) == set(from_gguf.weights)
+    for name, tensor in from_gguf.weights.items():
+        assert torch.equal(from_folder.weights[name], tensor), name
+    sample = "hello 2024 déjà 🚀"
+    assert from_folder.tokenizer.encode(sample) == from_gguf.tokenizer.encode(sample)
+    assert from_folder.eos_token_ids == from_gguf.eos_token_ids
+    in_transformers = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    for name, tensor in from_gguf.weights.items():
+        assert torch.equal(in_transformers[name], tensor), name
+
+
+def test_read_gguf_gives_metadata_and_tensor_index(tiny, tmp_path):
+    gguf = read_gguf(write_gguf(tiny["qwen3"], tmp_path / "q3.gguf", quantization="Q8_0"))
+    assert gguf.metadata["general.architecture"] == "qwen3"
+    assert gguf.metadata["qwen3.attention.head_count"] == 4
+    tokens = gguf.metadata["tokenizer.ggml.tokens"]
+    assert len(tokens) == 320 and all(isinstance(t, str) for t in tokens)
+    up = gguf.tensors["blk.0.ffn_up.weight"]
+    assert up.shape == (128, 64) and up.type_name == "Q8_0"
+    assert up.data.shape == (128, 64 // 32 * 34)  # rows of blocks: 2-byte scale + 32 bytes
+    norm = gguf.tensors["blk.0.attn_norm.weight"]
+    assert norm.shape == (64,) and norm.type_name == "F32" and norm.data.shape == (64 * 4,)
+
+
+@pytest.mark.parametrize("quantization", ["F32", "Q8_0"])
+def test_read_gguf_agrees_with_gguf_py(tiny, tmp_path, quantization):
+    import gguf
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
+    rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    folder = make_tiny_model("llama", tmp_path / "rope", rope_parameters=rope)
+    path = write_gguf(folder, tmp_path / "l.gguf", quantization=quantization)
+    reference = gguf.GGUFReader(path)
+    ours = read_gguf(path)
+    fields = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == fields
+    assert list(ours.tensors) == [t.name for t in reference.tensors]
+    for t in reference.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.qtype == int(t.tensor_type) and mine.shape == tuple(reversed(t.shape.tolist()))
+        assert mine.data.tobytes() == t.data.tobytes(), t.name
+
+
+# -- dequantization ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_dequantize_matches_gguf_py_bit_for_bit(qtype):
+    kind = GGMLQuantizationType[qtype]
+    values = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    values[3, :32] = 0.0  # an all-zero block
+    data = gguf_quantize(values.numpy(), kind)
+    expected = torch.from_numpy(np.asarray(gguf_dequantize(data, kind), np.float32))
+    got = dequantize(QuantizedTensor(data, int(kind), (48, 96)))
+    assert got.dtype == torch.float32 and torch.equal(got, expected.reshape(48, 96))
+    flat = dequantize(QuantizedTensor(data.reshape(-1), int(kind), (48 * 96,)))
+    assert torch.equal(flat, got.reshape(-1))
+
+
+def test_dequantize_refuses_data_of_another_shape():
+    data = gguf_quantize(np.ones((4, 64), np.float32), GGMLQuantizationType.Q8_0)
+    with pytest.raises(ValueError, match=r"do not hold a tensor of shape \(4, 96\)"):
+        dequantize(QuantizedTensor(data, int(GGMLQuantizationType.Q8_0), (4, 96)))
+
+
+# -- cache directory -----------------------------------------------------------------------------
 
 
 def test_cache_dir_follows_environment(monkeypatch, tmp_path):
@@ -215,13 +298,8 @@ def test_cache_dir_follows_environment(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def default_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("default-cache")
-
-
-@pytest.fixture(scope="module")
-def smollm(default_cache):
-    return load_model(cache_dir=default_cache)
+def smollm():
+    return load_model()
 
 
 def test_default_model_file_is_verified():
@@ -244,21 +322,21 @@ def test_default_model_config(smollm):
     assert set(smollm.weights) == set(expected_shapes(cfg))
 
 
-def test_default_model_second_load_uses_cache(smollm, default_cache):
-    assert not smollm.from_cache
-    again = load_model(cache_dir=default_cache)
-    assert again.from_cache and again.cache_path == smollm.cache_path
-    name = "model.layers.3.self_attn.k_proj.weight"
-    assert torch.equal(again.weights[name], smollm.weights[name])
+def test_default_model_blocks_are_its_weights(smollm):
+    assert len(smollm.blocks) == 30 * 7 + 1  # every projection and the embedding table
+    for name in ["model.layers.3.self_attn.k_proj.weight", "model.layers.3.mlp.down_proj.weight"]:
+        block = smollm.blocks[name]
+        assert block.type_name == "Q4_1"
+        assert torch.equal(dequantize(block), smollm.weights[name]), name
 
 
-def test_default_model_weights_say_paris_in_transformers(smollm):
+def test_default_model_weights_say_paris_in_transformers(smollm, default_model_folder):
     # Independent check of the Q/K un-permutation and the tokenizer: transformers' own Llama,
-    # given our converted weights, must continue the prompt with " Paris".
+    # given our dequantized weights, must continue the prompt with " Paris".
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_model = LlamaForCausalLM(LlamaConfig.from_pretrained(smollm.cache_path)).eval()
-    missing, unexpected = hf_model.load_state_dict(smollm.weights, strict=False)
+    hf_model = LlamaForCausalLM(LlamaConfig.from_pretrained(default_model_folder)).eval()
+    missing, unexpected = hf_model.load_state_dict(dict(smollm.weights), strict=False)
     assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
     hf_model.tie_weights()
     ids = smollm.tokenizer.encode("The capital of France is")
@@ -295,10 +373,10 @@ def test_unsupported_architecture(tmp_path, tiny):
     assert isinstance(info.value, UnsupportedModelError)
 
 
-def test_unsupported_gguf_architecture(tmp_path, tiny, cache):
+def test_unsupported_gguf_architecture(tmp_path, tiny):
     gguf_file = write_gguf(tiny["llama"], tmp_path / "phi.gguf", arch_name="phi3")
     with pytest.raises(UnsupportedModelError, match="phi3"):
-        load_model(gguf_file, cache_dir=cache)
+        load_model(gguf_file)
 
 
 def test_pickle_only_folder_is_refused(tmp_path, tiny):
@@ -373,19 +451,35 @@ def test_quantized_hf_checkpoint_is_refused(tmp_path, tiny):
         load_model(folder)
 
 
-def test_not_a_gguf_file(tmp_path, cache):
+def test_not_a_gguf_file(tmp_path):
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"definitely not a gguf file" * 10)
     with pytest.raises(ModelLoadError, match=r"bogus\.gguf is not a GGUF file"):
-        load_model(bogus, cache_dir=cache)
+        load_model(bogus)
 
 
-def test_truncated_gguf(tmp_path, tiny, cache):
+@pytest.mark.parametrize("keep", [2000, -4096])  # cut in the tokenizer's strings; in a tensor
+def test_truncated_gguf(tmp_path, tiny, keep):
     gguf_file = write_gguf(tiny["llama"], tmp_path / "t.gguf")
-    gguf_file.write_bytes(gguf_file.read_bytes()[: gguf_file.stat().st_size - 4096])
+    gguf_file.write_bytes(gguf_file.read_bytes()[:keep])
     with pytest.raises(ModelLoadError, match=r"t\.gguf is a truncated or corrupt GGUF file"):
-        load_model(gguf_file, cache_dir=cache)
-    assert not cache.exists() or not any(cache.iterdir())
+        load_model(gguf_file)
+
+
+def test_gguf_tensor_of_a_type_nothing_dequantizes(tmp_path, tiny):
+    gguf_file = write_gguf(tiny["llama"], tmp_path / "i32.gguf")
+    data = bytearray(gguf_file.read_bytes())
+    # The tensor's index entry: name, then n_dims (u32), dims (u64 each), type (u32).
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name)
+    type_at = at + 4 + 8 * int.from_bytes(data[at : at + 4], "little")
+    assert data[type_at : type_at + 4] == bytes(4)  # F32, as written
+    data[type_at : type_at + 4] = int(GGMLQuantizationType.I32).to_bytes(4, "little")
+    gguf_file.write_bytes(data)  # I32 is as long as F32: only the type is wrong
+    with pytest.raises(
+        ModelLoadError, match=r"up_proj\.weight uses I32, which cannot be dequantized"
+    ):
+        load_model(gguf_file)
 
 
 def test_unknown_file_type(tmp_path):
@@ -400,20 +494,16 @@ def test_unknown_file_type(tmp_path):
 # -- tokenizer only ------------------------------------------------------------------------------
 
 
-def test_load_tokenizer_matches_load_model(tiny, tmp_path, cache):
+def test_load_tokenizer_matches_load_model(tiny, tmp_path):
     gguf_file = write_gguf(tiny["qwen3"], tmp_path / "q3.gguf")
     (tiny_copy := copy_model(tiny["qwen3"], tmp_path / "m")).joinpath(
         "generation_config.json"
     ).write_text(json.dumps({"eos_token_id": [2, 0]}))
     for path in (tiny_copy, gguf_file):
-        expected = load_model(path, cache_dir=cache).tokenizer
-        for tokenizer in (
-            load_tokenizer(path, cache_dir=cache),
-            load_tokenizer(path, cache_dir=tmp_path / "empty"),
-        ):
-            assert tokenizer.eos_token_ids == expected.eos_token_ids
-            assert tokenizer.encode("hello 2024 🚀") == expected.encode("hello 2024 🚀")
-            assert tokenizer.chat_template == expected.chat_template
+        expected, tokenizer = load_model(path).tokenizer, load_tokenizer(path)
+        assert tokenizer.eos_token_ids == expected.eos_token_ids
+        assert tokenizer.encode("hello 2024 🚀") == expected.encode("hello 2024 🚀")
+        assert tokenizer.chat_template == expected.chat_template
     assert load_tokenizer(tiny_copy).eos_token_ids == [2, 0]
 
 
@@ -422,7 +512,7 @@ def test_load_tokenizer_does_not_import_torch(tiny, tmp_path):
     script = (
         "import sys\n"
         "from nanokv_cli.engine.loader import load_tokenizer\n"
-        f"tok = load_tokenizer({str(gguf_file)!r}, cache_dir={str(tmp_path / 'c')!r})\n"
+        f"tok = load_tokenizer({str(gguf_file)!r})\n"
         "assert tok.encode('hello') and 'torch' not in sys.modules, sorted(sys.modules)\n"
     )
     root = Path(__file__).resolve().parents[1]

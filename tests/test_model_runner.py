@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import make_tiny_model
 
-from nanokv_cli.engine.config import ModelConfig
+from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.model_runner import (
     MIN_DECODE_GROUP,
     ModelRunner,
@@ -98,9 +98,7 @@ def prompt_of(length: int, salt: int = 0) -> list[int]:
 
 
 def make_runner(config, weights, *, block_size=16, num_blocks=256, dtype="float32", **kw):
-    return ModelRunner(
-        config,
-        weights,
+    settings = EngineConfig(
         block_size=block_size,
         num_blocks=num_blocks,
         dtype=dtype,
@@ -108,6 +106,7 @@ def make_runner(config, weights, *, block_size=16, num_blocks=256, dtype="float3
         max_model_len=512,
         **kw,
     )
+    return ModelRunner(config, weights, settings)
 
 
 class Driver:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.llm_engine import LLMEngine
 from nanokv_cli.engine.mooncake import (
@@ -75,13 +76,10 @@ def test_reader_reports_the_bad_line_number(tmp_path):
 @pytest.mark.skipif(not TRACE.exists(), reason="shared/ trace not next to the checkout")
 def test_dry_run_of_the_real_trace_slice_hits_the_shared_prefix():
     clock = VirtualClock()
-    engine = LLMEngine(
-        DryRunExecutor(clock=clock),
-        num_blocks=2000,
-        block_size=MOONCAKE_BLOCK_SIZE,
-        max_num_batched_tokens=16384,
-        clock=clock,
+    settings = EngineConfig(
+        num_blocks=2000, block_size=MOONCAKE_BLOCK_SIZE, max_num_batched_tokens=16384
     )
+    engine = LLMEngine(DryRunExecutor(settings, clock=clock), settings, clock=clock)
     trace = list(read_mooncake(TRACE, limit=200))
     reqs = [
         Request(

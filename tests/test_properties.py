@@ -4,6 +4,7 @@ generated does not depend on block size, caching, chunking or preemption."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.llm_engine import LLMEngine, RequestRejected
 from nanokv_cli.engine.sampling_params import SamplingParams
@@ -37,13 +38,16 @@ def run(
     """Replay ``requests`` (prompt, max_tokens, arrival step), checking the books after every
     step; ``listener`` gets every event, ``after_step(engine)`` runs after every step."""
     clock = VirtualClock()
-    engine = LLMEngine(
-        DryRunExecutor(vocab_size=60, clock=clock),
+    settings = EngineConfig(
         num_blocks=num_blocks,
         block_size=block_size,
         enable_prefix_caching=prefix_caching,
         max_num_seqs=4,
         max_num_batched_tokens=max_batched,
+    )
+    engine = LLMEngine(
+        DryRunExecutor(settings, vocab_size=60, clock=clock),
+        settings,
         eos_token_ids=[0],
         clock=clock,
     )
@@ -75,12 +79,12 @@ def generated(requests, **kw):
     """Each request's generated tokens, by request index."""
     outs = {}
     clock = VirtualClock()
+    settings = EngineConfig(max_num_seqs=4, **kw)
     engine = LLMEngine(
-        DryRunExecutor(vocab_size=60, clock=clock),
-        clock=clock,
-        max_num_seqs=4,
+        DryRunExecutor(settings, vocab_size=60, clock=clock),
+        settings,
         eos_token_ids=[0],
-        **kw,
+        clock=clock,
     )
     ids = {}
     for i, (prompt, max_tokens, _) in enumerate(requests):

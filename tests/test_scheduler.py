@@ -3,6 +3,7 @@
 import pytest
 
 from nanokv_cli.engine.block_manager import BlockManager
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.events import SequenceFinished, SequencePreempted, StepSnapshot
 from nanokv_cli.engine.llm_engine import LLMEngine, RequestRejected
@@ -130,13 +131,8 @@ def test_eos_stops_unless_ignored():
 
 def test_engine_outputs_events_and_timing_on_a_virtual_clock():
     clock = VirtualClock()
-    engine = LLMEngine(
-        DryRunExecutor(vocab_size=100, clock=clock),
-        num_blocks=32,
-        block_size=4,
-        max_num_batched_tokens=8,
-        clock=clock,
-    )
+    settings = EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    engine = LLMEngine(DryRunExecutor(settings, vocab_size=100, clock=clock), settings, clock=clock)
     events = []
     engine.events.subscribe(events.append)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -164,7 +160,8 @@ def test_engine_outputs_events_and_timing_on_a_virtual_clock():
 
 
 def test_engine_rejects_cleanly_and_stays_usable():
-    engine = LLMEngine(DryRunExecutor(), num_blocks=2, block_size=4)
+    settings = EngineConfig(num_blocks=2, block_size=4)
+    engine = LLMEngine(DryRunExecutor(settings), settings)
     with pytest.raises(RequestRejected):
         engine.add_request(list(range(20)), SamplingParams(max_tokens=4))
     assert not engine.has_unfinished_requests()
@@ -176,13 +173,8 @@ def test_engine_rejects_cleanly_and_stays_usable():
 def test_oldest_sequence_always_progresses_under_pressure():
     """Two sequences that each need most of the cache: preemption must not livelock."""
     clock = VirtualClock()
-    engine = LLMEngine(
-        DryRunExecutor(clock=clock),
-        num_blocks=6,
-        block_size=2,
-        max_num_batched_tokens=3,
-        clock=clock,
-    )
+    settings = EngineConfig(num_blocks=6, block_size=2, max_num_batched_tokens=3)
+    engine = LLMEngine(DryRunExecutor(settings, clock=clock), settings, clock=clock)
     events = []
     engine.events.subscribe(events.append)
     for start in (0, 100):

@@ -591,10 +591,11 @@ def test_an_engine_failure_fails_requests_with_a_500_not_a_traceback(tiny):
     from fastapi.testclient import TestClient
 
     from nanokv_cli.driver import Run, dry_run_engine
+    from nanokv_cli.engine.config import EngineConfig
     from nanokv_cli.engine.loader import load_tokenizer
     from nanokv_cli.serve import EngineLoop, Metrics, ServerState, create_app
 
-    engine, clock = dry_run_engine(16, 64)
+    engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
 
     def broken(seqs):
         raise RuntimeError("secret internals")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tiny_models import make_tiny_model
 
 from nanokv_cli import LLM, SamplingParams
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.distributed import TensorParallelError, launch
 from nanokv_cli.engine.events import SequencePreempted
 from nanokv_cli.engine.loader import load_model
@@ -226,8 +227,9 @@ def test_worker_error_is_raised_on_rank_zero(root, tmp_path):
     shutil.rmtree(gone)
     options = dict(SMALL, max_model_len=64)
     del options["max_num_batched_tokens"]
+    settings = EngineConfig(**options, tensor_parallel_size=2)
     with pytest.raises(TensorParallelError) as info:
-        launch(loaded.config, loaded.weights, str(gone), 2, options)
+        launch(loaded.config, loaded.weights, str(gone), settings)
     message = str(info.value)
     assert "worker rank 1 failed: ModelLoadError" in message
     assert "moved-away" in message

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 import nanokv_cli.trace as trace_mod
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.events import CacheState, StepSnapshot, event_to_dict
 from nanokv_cli.engine.llm_engine import LLMEngine
@@ -39,9 +40,8 @@ def as_json(event) -> dict:
 
 def engine(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) -> LLMEngine:
     clock = VirtualClock()
-    return LLMEngine(
-        DryRunExecutor(clock=clock), num_blocks=num_blocks, block_size=block_size, clock=clock
-    )
+    settings = EngineConfig(num_blocks=num_blocks, block_size=block_size)
+    return LLMEngine(DryRunExecutor(settings, clock=clock), settings, clock=clock)
 
 
 def run_shared_prefix_workload(eng: LLMEngine, on_step=None) -> None:
@@ -314,7 +314,8 @@ def test_vllm_kv_event_export_decodes_with_vllms_structs(tmp_path, small_records
 
 def test_synthesized_prompts_are_stored_as_their_recipe(tmp_path):
     clock = VirtualClock()
-    eng = LLMEngine(DryRunExecutor(clock=clock), num_blocks=400, block_size=64, clock=clock)
+    settings = EngineConfig(num_blocks=400, block_size=64)
+    eng = LLMEngine(DryRunExecutor(settings, clock=clock), settings, clock=clock)
     requests = [
         Request(
             SynthesizedPrompt((1, 2, 3, 10 + i), 1800),

@@ -6,6 +6,7 @@ import io
 
 from rich.console import Console
 
+from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.events import BlockAllocated, BlockFreed, BlockHit, BlockStored, CacheState
 from nanokv_cli.engine.llm_engine import LLMEngine
@@ -75,9 +76,8 @@ def test_block_map_aggregates_when_blocks_do_not_fit():
 
 def dry_engine(num_blocks: int = 64, block_size: int = 4) -> LLMEngine:
     clock = VirtualClock()
-    return LLMEngine(
-        DryRunExecutor(clock=clock), num_blocks=num_blocks, block_size=block_size, clock=clock
-    )
+    settings = EngineConfig(num_blocks=num_blocks, block_size=block_size)
+    return LLMEngine(DryRunExecutor(settings, clock=clock), settings, clock=clock)
 
 
 def drive_shared_prefix(eng: LLMEngine, view: LiveView, n: int = 4) -> None:
@@ -266,7 +266,7 @@ def test_live_view_counters_match_the_block_managers_stats_in_a_terminal():
     from nanokv_cli.engine.block_manager import MISS_REASONS
     from nanokv_cli.engine.events import CacheLookup
 
-    eng, _ = dry_run_engine(block_size=4, num_blocks=24)
+    eng, _ = dry_run_engine(EngineConfig(block_size=4, num_blocks=24))
     buf = io.StringIO()
     con = Console(file=buf, width=160, height=60, force_terminal=True, color_system="256")
     view = LiveView(eng.num_blocks, 4, console=con)

@@ -4,6 +4,11 @@ Blocks are never moved or copied; a sequence's ``block_table`` maps its logical 
 physical ones. Full blocks whose KV has been computed are registered in the prefix cache under
 a chained hash (the hash of a block stands for the whole prefix up to and including it), so a
 later request with the same prefix maps the same physical blocks instead of recomputing them.
+
+Each change does whatever may raise before it touches the books, and announces itself (one
+event) only once they balance. So an exception at any call, KeyboardInterrupt included, leaves
+balanced books and an event stream that matches them; what it may leave half done is a
+sequence's set of blocks, which the scheduler's ``recover`` completes or undoes.
 """
 
 from __future__ import annotations
@@ -80,6 +85,9 @@ class FreeBlockQueue:
 
     def __repr__(self) -> str:
         return f"FreeBlockQueue({list(self._queue)})"
+
+    def head(self) -> int:
+        return next(iter(self._queue))
 
     def popleft(self) -> int:
         return self._queue.popitem(last=False)[0]
@@ -218,13 +226,27 @@ class BlockManager:
         return self._explainer.is_pending(self._block_hash(seq, i))
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+        """Admit ``seq``: its first ``num_cached_blocks`` blocks from the prefix cache (as
+        ``can_allocate`` found them), fresh blocks for the rest.
+
+        The lookup is counted (stats, ``CacheLookup``) before any block is taken, and each
+        block's books balance before its event goes out. Cut short by an exception, ``seq``
+        holds part of its blocks after a counted admission: the scheduler's ``recover`` then
+        preempts it, as if the cache had run out right after admitting it."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        emit = self.on_event
         bs = self.block_size
         first = seq.num_prefix_hit_tokens < 0
         reason, evicted_at, partial = self._explainer.explain(self, seq, num_cached_blocks, first)
-        if emit:
-            emit(
+        hit_ids = [self._lookup(seq, i) for i in range(num_cached_blocks)]
+        assert -1 not in hit_ids, (
+            "allocate() was given more cached blocks than can_allocate() found"
+        )
+        shared = bs * sum(1 for b in hit_ids if self.blocks[b].ref_count)
+        revived = bs * num_cached_blocks - shared
+        self._count_lookup(seq, first, shared, revived, reason)
+        seq.num_cached_tokens = num_cached_blocks * bs
+        if self.on_event:
+            self.on_event(
                 CacheLookup(
                     seq.seq_id,
                     seq.num_tokens,
@@ -236,29 +258,29 @@ class BlockManager:
                     partial,
                 )
             )
-        shared = revived = 0
-        for i in range(num_cached_blocks):
-            block_id = self._lookup(seq, i)
-            assert block_id != -1, (
-                "allocate() was given more cached blocks than can_allocate() found"
-            )
-            block = self.blocks[block_id]
+        blocks, table, emit = self.blocks, seq.block_table, self.on_event
+        for block_id in hit_ids:
+            block = blocks[block_id]
             if block.ref_count:
                 block.ref_count += 1
                 kind = "shared"
-                shared += bs
             else:
-                self.free_block_ids.remove(block_id)
+                self.free_block_ids.remove(block_id)  # first: if it raises, nothing has changed
                 self.num_cached_free_blocks -= 1
                 self.used_block_ids.add(block_id)
                 block.ref_count = 1
                 kind = "revived"
-                revived += bs
-            seq.block_table.append(block_id)
+            table.append(block_id)
             if emit:
                 emit(BlockHit(seq.seq_id, block_id, block.hash, kind))
         for _ in range(num_cached_blocks, seq.num_blocks):
             self._allocate_free_block(seq)
+        if self.enable_prefix_caching:
+            self._explainer.admitted(self, seq, num_cached_blocks)
+
+    def _count_lookup(
+        self, seq: Sequence, first: bool, shared: int, revived: int, reason: str
+    ) -> None:
         stats = self.stats
         if first:
             stats.queries += seq.num_tokens
@@ -270,45 +292,58 @@ class BlockManager:
             stats.readmission_shared_hits += shared
             stats.readmission_revived_hits += revived
         stats.miss_tokens[reason] += seq.num_tokens - shared - revived
-        seq.num_cached_tokens = num_cached_blocks * bs
-        if self.enable_prefix_caching:
-            self._explainer.admitted(self, seq, num_cached_blocks)
 
     def _allocate_free_block(self, seq: Sequence) -> None:
-        block_id = self.free_block_ids.popleft()
+        free = self.free_block_ids
+        if self.num_cached_free_blocks:  # the head may hold a hash
+            head = self.blocks[free.head()]
+            if head.hash != -1:
+                self._evict(head)
+        block_id = free.popleft()  # first: if it raises, nothing has changed
         block = self.blocks[block_id]
-        if block.hash != -1:
-            # Eviction: the LRU cached block is overwritten, so its hash stops resolving. (Every
-            # hashed free block resolves: duplicates are never registered, see hash_blocks.)
-            del self.hash_to_block_id[block.hash]
-            self.stats.evictions += 1
-            self.num_cached_free_blocks -= 1
-            self._explainer.evicted(block.hash, self.step)
-            if self.on_event:
-                self.on_event(BlockRemoved(block_id, block.hash))
         block.reset()
         self.used_block_ids.add(block_id)
         seq.block_table.append(block_id)
         if self.on_event:
             self.on_event(BlockAllocated(seq.seq_id, block_id))
 
+    def _evict(self, block: Block) -> None:
+        """The LRU cached block is about to be overwritten, so its hash stops resolving. (Every
+        hashed free block resolves: duplicates are never registered, see hash_blocks.) A change
+        of its own, announced before the block is taken: one event per change, so a listener
+        that raises cannot leave another listener with half of one."""
+        h = block.hash
+        del self.hash_to_block_id[h]
+        block.hash = -1
+        block.token_ids = []
+        self.stats.evictions += 1
+        self.num_cached_free_blocks -= 1
+        self._explainer.evicted(h, self.step)
+        if self.on_event:
+            self.on_event(BlockRemoved(block.block_id, h))
+
     def deallocate(self, seq: Sequence) -> None:
+        """Let go of ``seq``'s blocks, last first. Each block leaves the table once its books
+        balance, so a release cut short by an exception leaves exactly the blocks still held
+        in the table, and calling again finishes it."""
         emit = self.on_event
         if self.enable_prefix_caching:
             self._explainer.released(seq)
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+        table, blocks, free = seq.block_table, self.blocks, self.free_block_ids
+        while table:
+            block_id = table[-1]
+            block = blocks[block_id]
+            if block.ref_count == 1:
                 # To the tail, hash kept: reusable until it reaches the head. Walking the table
                 # backwards queues a sequence's tail blocks ahead of its prefix, so the prefix
                 # (the part other requests share) is evicted last.
+                free.append(block_id)  # first: if it raises, nothing has changed
                 self.used_block_ids.discard(block_id)
-                self.free_block_ids.append(block_id)
                 self.num_cached_free_blocks += block.hash != -1
+            block.ref_count -= 1
+            table.pop()
             if emit:
                 emit(BlockFreed(seq.seq_id, block_id, block.ref_count))
-        seq.block_table.clear()
         seq.num_cached_tokens = 0
 
     def can_append(self, seq: Sequence) -> bool:
@@ -342,13 +377,21 @@ class BlockManager:
                 # hashed block resolves and an eviction always means the content is gone.
                 continue
             token_ids = seq.block(i)
+            parent = seq.block_hashes[i - 1] if i else -1
+            # The explainer's hint first: the books change after every call that may raise
+            # (a hint about a hash never registered is looked up and found missing).
+            explainer.stored(h, parent, token_ids[0])
             block.update(h, token_ids)
             self.hash_to_block_id[h] = block.block_id
-            parent = seq.block_hashes[i - 1] if i else -1
-            explainer.stored(h, parent, token_ids[0])
             if self.on_event:
                 self.on_event(BlockStored(block.block_id, h, parent, token_ids))
         explainer.progressed(self, seq, start, end)
+
+    def reclaim(self, prefilling: list[Sequence]) -> None:
+        """Rebuild the claims on blocks being computed from the sequences mid-prefill (after
+        an exception cut a step short, the claims may name sequences that no longer compute)."""
+        if self.enable_prefix_caching:
+            self._explainer.reclaim(self, prefilling)
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (e.g. after weights change)."""
@@ -395,3 +438,6 @@ class BlockManager:
                 assert block.ref_count == counts[block.block_id], (
                     f"block {block.block_id}: ref_count {block.ref_count} != {counts[block.block_id]} tables"
                 )
+            # A claim nobody will honour holds its followers back for good.
+            for b in self._explainer.claimed_blocks():
+                assert counts[b], f"block {b} is claimed as being computed but no table holds it"

@@ -1,6 +1,9 @@
-"""Model architecture description shared by the loaders and the model code."""
+"""What a model is (``ModelConfig``, shared by the loaders and the model code) and how the
+engine runs it (``EngineConfig``, passed once from ``LLM`` or the CLI down to every part)."""
 
+import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import Any
 
 # Hugging Face `architectures[0]` -> our family name.
@@ -14,6 +17,46 @@ ARCHITECTURES = {
 
 class UnsupportedModelError(ValueError):
     """The weights describe an architecture nanokv cannot run."""
+
+
+class ModelConfigError(ValueError):
+    """A model's configuration holds a missing, mistyped or out-of-range value.
+
+    ``field`` is the Hugging Face config name, so a loader can name the key of its own format
+    (a GGUF file's ``llama.block_count``) in front of ``requirement``.
+    """
+
+    def __init__(self, field: str, value: Any, requirement: str) -> None:
+        self.field, self.value, self.requirement = field, value, requirement
+        super().__init__(self.named(field))
+
+    def named(self, name: str) -> str:
+        """The message with the field called ``name``."""
+        return f"{name} is {_shown(self.value)}; {self.requirement}"
+
+
+# Bounds for a model's sizes, checked before anything is sized from them: a few times past the
+# largest published models (Llama 3.1 405B: hidden 16384, intermediate 53248, 126 layers, 128
+# heads; Gemma 3: 262144 tokens, head_dim 256; Llama 4 Scout: 10M positions), so every real
+# model passes and a hostile value (2**32 - 1 layers) is refused instead of allocating.
+SIZE_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "max_position_embeddings": (1, 1 << 24),
+}
+# rope_scaling types the rotary embedding implements (layers/rotary.py).
+ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 @dataclass
@@ -39,40 +82,198 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """A Hugging Face ``config.json`` (or a GGUF file's metadata in its form), validated.
+
+        Raises UnsupportedModelError for an architecture nanokv cannot run, ModelConfigError
+        for a bad value, KeyError naming a missing required key.
+        """
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else cfg.get("model_type", "?")
-        family = ARCHITECTURES.get(arch)
+        arch = archs[0] if isinstance(archs, list) and archs else cfg.get("model_type", "?")
+        family = ARCHITECTURES.get(arch) if isinstance(arch, str) else None
         if family is None:
             supported = ", ".join(sorted(ARCHITECTURES))
             raise UnsupportedModelError(
                 f"unsupported model architecture {arch!r} (supported: {supported})"
             )
-        heads = cfg["num_attention_heads"]
+        # Checked before they are divided: head_dim and the KV heads default from them.
+        hidden = _size("hidden_size", cfg["hidden_size"])
+        heads = _size("num_attention_heads", cfg["num_attention_heads"])
         # transformers >= 5 folds rope_theta and rope_scaling into `rope_parameters`.
-        rope = dict(cfg.get("rope_parameters") or {})
-        rope_theta = cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0)
+        rope = cfg.get("rope_parameters") or {}
+        rope = dict(rope) if isinstance(rope, dict) else {}
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = rope.pop("rope_theta", 10000.0)
         rope_scaling = cfg.get("rope_scaling") or (
             rope if rope.get("rope_type", "default") != "default" else None
         )
         eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
+        eos_ids = [] if eos is None else (list(eos) if isinstance(eos, list) else [eos])
+        config = cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
+            hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_key_value_heads=_or_default(cfg.get("num_key_value_heads"), heads),
+            head_dim=_or_default(cfg.get("head_dim"), hidden // heads),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=cfg.get("tie_word_embeddings") or False,
+            attention_bias=family == "qwen2" or cfg.get("attention_bias") or False,
             qk_norm=family == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Refuse values that would size an allocation wildly, crash a layer or compute NaN.
+
+        Raises ModelConfigError naming the first bad field. ``rope_theta`` and ``rms_norm_eps``
+        come back as floats.
+        """
+        for name, (low, high) in SIZE_BOUNDS.items():
+            _size(name, getattr(self, name), (low, high))
+        if self.head_dim % 2:
+            raise ModelConfigError("head_dim", self.head_dim, "rotary embeddings need it even")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"it must divide num_attention_heads ({self.num_attention_heads})",
+            )
+        self.rms_norm_eps = _number("rms_norm_eps", self.rms_norm_eps, below=1.0)
+        self.rope_theta = _number("rope_theta", self.rope_theta)
+        _check_rope_scaling(self.rope_scaling)
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelConfigError(name, getattr(self, name), "it must be true or false")
+        ids = [] if self.bos_token_id is None else [self.bos_token_id]
+        for token_id in ids + list(self.eos_token_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, Integral) or token_id < 0:
+                raise ModelConfigError(
+                    "bos_token_id/eos_token_id", token_id, "token ids are integers >= 0"
+                )
+
+    def parameter_count(self) -> int:
+        """How many numbers the weights hold (a tied head counted once)."""
+        hidden, inter = self.hidden_size, self.intermediate_size
+        q_rows = self.num_attention_heads * self.head_dim
+        kv_rows = self.num_key_value_heads * self.head_dim
+        layer = 2 * hidden + 2 * q_rows * hidden + 2 * kv_rows * hidden + 3 * inter * hidden
+        layer += (q_rows + 2 * kv_rows) * self.attention_bias + 2 * self.head_dim * self.qk_norm
+        heads = 1 if self.tie_word_embeddings else 2
+        return heads * self.vocab_size * hidden + hidden + self.num_hidden_layers * layer
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _or_default(value: Any, default: Any) -> Any:
+    # config.json writes null (and some writers 0) for "derive it".
+    return default if value is None or value == 0 else value
+
+
+def _size(name: str, value: Any, bounds: tuple[int, int] | None = None) -> int:
+    low, high = SIZE_BOUNDS[name] if bounds is None else bounds
+    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= value <= high:
+        raise ModelConfigError(name, value, f"it must be an integer from {low} to {high:,}")
+    return int(value)
+
+
+def _number(name: str, value: Any, *, below: float = math.inf) -> float:
+    """A finite float in (0, below); NaN and infinity fail the comparison."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < below:
+        bound = "" if below == math.inf else f" and below {below:g}"
+        raise ModelConfigError(name, value, f"it must be a finite number above 0{bound}")
+    return float(value)
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ModelConfigError("rope_scaling", scaling, "it must be an object or null")
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})"
+        )
+    keys = {"linear": ("factor",), "llama3": _LLAMA3_ROPE_KEYS}.get(kind, ())
+    for key in keys:
+        if key not in scaling:
+            raise ModelConfigError(f"rope_scaling.{key}", None, f"{kind} rope scaling needs it")
+        if key == "original_max_position_embeddings":
+            _size(f"rope_scaling.{key}", scaling[key], SIZE_BOUNDS["max_position_embeddings"])
+        else:
+            _number(f"rope_scaling.{key}", scaling[key])
+    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ModelConfigError(
+            "rope_scaling.high_freq_factor",
+            scaling["high_freq_factor"],
+            f"it must exceed low_freq_factor ({scaling['low_freq_factor']})",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting, with its one default. ``LLM`` and the CLI build one; the engine,
+    the model runner, the dry-run executor and tensor-parallel workers read from it.
+
+    Frozen: one object is shared by every part (and pickled to worker ranks); derive a variant
+    with ``dataclasses.replace``. No torch here: dry runs and ``inspect`` import this too.
+    """
+
+    # -- KV cache
+    block_size: int = 256  # tokens per KV block
+    num_blocks: int | None = None  # None: sized from kv_cache_memory, else from free memory
+    kv_cache_memory: int | None = None  # bytes per rank; None: a share of available memory
+    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction to fill
+    enable_prefix_caching: bool = True
+    # -- scheduling
+    max_num_seqs: int = 256  # most sequences per step
+    # Token budget per step (chunked prefill): LLM's and the CLI's model runs used 4096 before
+    # this config (only dry runs took the engine's 8192).
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's own limit (see model_len)
+    # -- model execution
+    dtype: str | None = None  # None or "auto": float32 on CPU, bfloat16/float16 on CUDA
+    device: str | None = None  # None: cuda if available, else cpu
+    enforce_eager: bool = False  # CUDA: no graph capture
+    tensor_parallel_size: int = 1
+    quantization: str | None = "auto"  # "auto", "none"/None, "int8", "int4": see quantize.py
+
+    def __post_init__(self) -> None:
+        for name in _COUNTS:
+            _check_count(name, getattr(self, name), optional=False)
+        for name in _OPTIONAL_COUNTS:
+            _check_count(name, getattr(self, name), optional=True)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, Real) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+
+    def model_len(self, limit: int) -> int:
+        """The longest sequence (prompt + output) admitted on a model of ``limit`` positions."""
+        return min(self.max_model_len or limit, limit)
+
+
+# Settings that count something: integers >= 1 (the optional ones may also be None).
+_COUNTS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+_OPTIONAL_COUNTS = ("num_blocks", "kv_cache_memory", "max_model_len")
+
+
+def _check_count(name: str, value: Any, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")

@@ -65,13 +65,14 @@ import traceback
 import weakref
 from array import array
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
+from .config import EngineConfig, ModelConfig
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner
 from .sequence import Sequence
@@ -197,14 +198,19 @@ class ShardRunner(ModelRunner):
     """
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, Any], *, group: Any, **options: Any
+        self,
+        config: ModelConfig,
+        weights: dict[str, Any],
+        engine_config: EngineConfig,
+        *,
+        group: Any,
     ) -> None:
         self._agree_group = group
-        super().__init__(config, weights, **options)
+        super().__init__(config, weights, engine_config)
         del self._agree_group  # a reference would keep the group's sockets open after shutdown
 
-    def _resolve_num_blocks(self, *args: Any, **kwargs: Any) -> int:
-        count = torch.tensor([super()._resolve_num_blocks(*args, **kwargs)])
+    def _resolve_num_blocks(self) -> int:
+        count = torch.tensor([super()._resolve_num_blocks()])
         dist.all_reduce(count, op=dist.ReduceOp.MIN, group=self._agree_group)
         return int(count)
 
@@ -394,22 +400,22 @@ def _worker_main(
     port: int,
     backend: str,
     model_path: str,
-    options: dict[str, Any],
+    engine_config: EngineConfig,
     num_threads: int,
 ) -> None:
-    """Entry point of a spawned worker rank."""
+    """Entry point of a spawned worker rank; ``engine_config`` names this rank's device."""
     # Ctrl-C in a terminal reaches every process of the foreground group; rank 0 decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     store = dist.TCPStore(_LOOPBACK, port, world, is_master=False, timeout=STARTUP_TIMEOUT)
     try:
         store.set(f"nanokv/joined/{rank}", "1")
-        if options["device"].startswith("cuda"):  # pragma: no cover - GPU
-            torch.cuda.set_device(torch.device(options["device"]))
+        if engine_config.device.startswith("cuda"):  # pragma: no cover - GPU
+            torch.cuda.set_device(torch.device(engine_config.device))
         control = _init_group(backend, rank, world, store, loopback=True)
         loaded = load_model(model_path)
         dist.barrier(group=control)  # start building together: the build has collectives
-        runner = ShardRunner(loaded.config, loaded.weights, group=control, **options)
+        runner = ShardRunner(loaded.config, loaded.weights, engine_config, group=control)
         del loaded
         _check_same_cache(runner, control)
         serve(runner, StepReceiver(control, runner.block_size))
@@ -440,8 +446,8 @@ def _exit_reason(code: int | None) -> str:
 class _Workers:
     """The spawned worker processes (ranks 1..N-1) and the rendezvous store rank 0 serves."""
 
-    def __init__(self, world: int, backend: str, model_path: str, options: dict[str, Any]) -> None:
-        self.world = world
+    def __init__(self, backend: str, model_path: str, engine_config: EngineConfig) -> None:
+        self.world = world = engine_config.tensor_parallel_size
         self.backend = backend
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind((_LOOPBACK, 0))  # a free port, picked by the kernel, on loopback only
@@ -465,10 +471,10 @@ class _Workers:
         self._watcher: threading.Thread | None = None
         try:
             for rank in range(1, world):
-                rank_options = {**options, "device": _rank_device(options.get("device"), rank)}
+                rank_config = _on_rank(engine_config, rank)
                 proc = context.Process(
                     target=_worker_main,
-                    args=(rank, world, self.port, backend, model_path, rank_options, threads),
+                    args=(rank, world, self.port, backend, model_path, rank_config, threads),
                     name=f"nanokv-tp-rank{rank}",
                     daemon=True,  # multiprocessing's exit hook terminates them as a last resort
                 )
@@ -591,6 +597,11 @@ def _worker_error(message: str) -> TensorParallelError:
     if details:
         error.add_note(f"worker traceback:\n{details}")
     return error
+
+
+def _on_rank(engine_config: EngineConfig, local_rank: int) -> EngineConfig:
+    """``engine_config`` with the device of one rank."""
+    return replace(engine_config, device=_rank_device(engine_config.device, local_rank))
 
 
 def _rank_device(device: str | None, local_rank: int) -> str:
@@ -743,56 +754,52 @@ class TensorParallelExecutor:
 
 
 def start_tensor_parallel(
-    loaded: LoadedModel, tensor_parallel_size: int, options: dict[str, Any]
+    loaded: LoadedModel, engine_config: EngineConfig
 ) -> TensorParallelExecutor | None:
-    """Bring up the ranks for ``loaded`` and return rank 0's executor.
+    """Bring up ``engine_config.tensor_parallel_size`` ranks for ``loaded`` and return rank 0's
+    executor.
 
-    ``options`` are ModelRunner's keyword arguments. In spawn mode workers load the model from
-    ``loaded.cache_path`` (a converted GGUF) or ``loaded.source``. Under an existing process
-    group (torchrun), ranks > 0 serve rank 0 here and return None once rank 0 shuts down.
+    In spawn mode workers load the model from ``loaded.source`` themselves, and get ``engine_config`` (pickled) with their own device. Under an
+    existing process group (torchrun), ranks > 0 serve rank 0 here and return None once rank 0
+    shuts down.
     """
-    check_shardable(loaded.config, tensor_parallel_size)
-    mode = parallel_mode(tensor_parallel_size)
+    size = engine_config.tensor_parallel_size
+    check_shardable(loaded.config, size)
+    mode = parallel_mode(size)
     if mode == "join":
-        return _join(loaded, options)
+        return _join(loaded, engine_config)
     if mode != "spawn":
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs no workers")
-    return _spawn(loaded, tensor_parallel_size, options)
+        raise ValueError(f"tensor_parallel_size={size} needs no workers")
+    return _spawn(loaded, engine_config)
 
 
 def launch(
-    config: ModelConfig,
-    weights: dict[str, Any],
-    model_path: str,
-    tensor_parallel_size: int,
-    options: dict[str, Any],
+    config: ModelConfig, weights: dict[str, Any], model_path: str, engine_config: EngineConfig
 ) -> TensorParallelExecutor:
     """Spawn-mode start from parts: rank 0 uses ``weights``, workers load ``model_path``."""
-    check_shardable(config, tensor_parallel_size)
-    if parallel_mode(tensor_parallel_size) != "spawn":
+    size = engine_config.tensor_parallel_size
+    check_shardable(config, size)
+    if parallel_mode(size) != "spawn":
         raise ValueError("launch() starts its own workers: this process is already in a group")
-    return _launch(config, weights, model_path, tensor_parallel_size, options)
+    return _launch(config, weights, model_path, engine_config)
 
 
-def _spawn(loaded: LoadedModel, world: int, options: dict[str, Any]) -> TensorParallelExecutor:
-    model_path = loaded.cache_path or loaded.source
-    return _launch(loaded.config, loaded.weights, model_path, world, options)
+def _spawn(loaded: LoadedModel, engine_config: EngineConfig) -> TensorParallelExecutor:
+    model_path = loaded.source
+    return _launch(loaded.config, loaded.weights, model_path, engine_config)
 
 
 def _launch(
-    config: ModelConfig,
-    weights: dict[str, Any],
-    model_path: str,
-    world: int,
-    options: dict[str, Any],
+    config: ModelConfig, weights: dict[str, Any], model_path: str, engine_config: EngineConfig
 ) -> TensorParallelExecutor:
-    device = _rank_device(options.get("device"), 0)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    world = engine_config.tensor_parallel_size
+    rank_config = _on_rank(engine_config, 0)
+    backend = "nccl" if rank_config.device.startswith("cuda") else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < world:  # pragma: no cover - GPU
         raise ValueError(
             f"tensor_parallel_size={world} needs {world} GPUs, found {torch.cuda.device_count()}"
         )
-    workers = _Workers(world, backend, str(model_path), options)
+    workers = _Workers(backend, str(model_path), engine_config)
     group = _Group(workers, owns_default_group=True)
     try:
         workers.wait_joined()
@@ -800,7 +807,7 @@ def _launch(
         _Group.active = group
         workers.watch()
         dist.barrier(group=group.control)  # every worker has its weights
-        runner = _build(config, weights, {**options, "device": device}, group)
+        runner = _build(config, weights, rank_config, group)
         return TensorParallelExecutor(runner, group)
     except BaseException as exc:
         group.broken = True
@@ -811,12 +818,13 @@ def _launch(
         raise _worker_error(message) from exc
 
 
-def _join(loaded: LoadedModel, options: dict[str, Any]) -> TensorParallelExecutor | None:
+def _join(loaded: LoadedModel, engine_config: EngineConfig) -> TensorParallelExecutor | None:
     """Run as one rank of a group made by a launcher; set it up from ``env://`` if needed."""
     owns = not dist.is_initialized()
     rank = process_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = _rank_device(options.get("device"), local_rank)
+    rank_config = _on_rank(engine_config, local_rank)
+    device = rank_config.device
     if device.startswith("cuda"):  # pragma: no cover - GPU
         torch.cuda.set_device(torch.device(device))
     if owns:
@@ -827,7 +835,7 @@ def _join(loaded: LoadedModel, options: dict[str, Any]) -> TensorParallelExecuto
     try:
         group.control = _control_group()
         dist.barrier(group=group.control)
-        runner = _build(loaded.config, loaded.weights, {**options, "device": device}, group)
+        runner = _build(loaded.config, loaded.weights, rank_config, group)
     except BaseException:
         group.close()
         raise
@@ -841,8 +849,8 @@ def _join(loaded: LoadedModel, options: dict[str, Any]) -> TensorParallelExecuto
 
 
 def _build(
-    config: ModelConfig, weights: dict[str, Any], options: dict[str, Any], group: _Group
+    config: ModelConfig, weights: dict[str, Any], engine_config: EngineConfig, group: _Group
 ) -> ModelRunner:
-    runner = ShardRunner(config, weights, group=group.control, **options)
+    runner = ShardRunner(config, weights, engine_config, group=group.control)
     _check_same_cache(runner, group.control)
     return runner

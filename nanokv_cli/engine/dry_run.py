@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import EngineConfig
 from .sequence import Sequence
 
 
@@ -49,10 +50,14 @@ class VirtualClock:
 class DryRunExecutor:
     def __init__(
         self,
+        config: EngineConfig,
         vocab_size: int = 49152,
         clock: VirtualClock | None = None,
         cost_model: StepCostModel = StepCostModel(),
     ) -> None:
+        if config.num_blocks is None:
+            raise ValueError("a dry run has no memory to size its KV cache from: set num_blocks")
+        self.num_blocks = config.num_blocks
         self.vocab_size = vocab_size
         self.clock = clock if clock is not None else VirtualClock()
         self.cost_model = cost_model

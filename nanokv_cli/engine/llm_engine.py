@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Protocol
 
+import numpy as np
+
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .events import EventBus, SequenceAdded, StepSnapshot
 from .sampling_params import SamplingParams
 from .scheduler import RequestRejected, Scheduler
@@ -18,6 +24,8 @@ __all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "Executor"]
 
 
 class Executor(Protocol):
+    num_blocks: int  # KV blocks it holds: the engine's block manager hands out this many
+
     def run(self, seqs: list[Sequence]) -> list[int]:
         """Compute the scheduled tokens of each sequence; return one sampled token per sequence."""
         ...
@@ -41,27 +49,29 @@ class LLMEngine:
     def __init__(
         self,
         executor: Executor,
+        config: EngineConfig,
         *,
-        num_blocks: int,
-        block_size: int = 256,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] | None = None,
     ) -> None:
+        """``config.max_model_len`` None admits any length; ``LLM`` passes the model's limit.
+        The cache size is the executor's (``num_blocks``), which a model runner may have sized
+        from memory."""
         self.executor = executor
-        self.block_size = block_size
+        self.config = config
+        self.block_size = config.block_size
         self.events = EventBus()
         self.block_manager = BlockManager(
-            num_blocks, block_size, enable_prefix_caching, on_event=self.events
+            executor.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            on_event=self.events,
         )
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
             eos_token_ids=eos_token_ids,
             on_event=self.events,
         )
@@ -83,6 +93,14 @@ class LLMEngine:
     def num_blocks(self) -> int:
         return self.block_manager.num_blocks
 
+    @functools.cached_property
+    def vocab_size(self) -> int | None:
+        """Token ids a request may hold: 0 to ``vocab_size - 1``, checked when it is added. An
+        executor running a model knows its vocabulary (its ModelConfig); the dry run embeds
+        nothing, so it takes any id that fits in int64 (None). Assign to set another limit."""
+        runner = getattr(self.executor, "runner", self.executor)  # tensor parallel: rank 0
+        return getattr(getattr(runner, "config", None), "vocab_size", None)
+
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -98,15 +116,20 @@ class LLMEngine:
             self.block_size,
             seq_id=next(self._next_seq_id),
         )
-        self.scheduler.add(seq)  # raises RequestRejected before anything is recorded
+        # Both raise RequestRejected before anything is recorded.
+        check_token_ids(seq.token_ids, self.vocab_size)
+        self.scheduler.check_admissible(seq)
         now = self.clock if arrival_time is None else arrival_time
-        self._outputs[seq.seq_id] = RequestOutput(
-            seq.seq_id, [], [], False, None, seq.num_prompt_tokens, 0, now, None
-        )
+        # Announced before it is queued: if a listener raises, there is nothing to undo (the
+        # caller never learns the id, so a request queued anyway could never be aborted).
         if self.events:
             self.events(
                 SequenceAdded(seq.seq_id, seq.prompt_token_ids, seq.max_tokens, now, prompt_recipe)
             )
+        self._outputs[seq.seq_id] = RequestOutput(
+            seq.seq_id, [], [], False, None, seq.num_prompt_tokens, 0, now, None
+        )
+        self.scheduler.add(seq)
         return seq.seq_id
 
     def has_unfinished_requests(self) -> bool:
@@ -121,29 +144,47 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def abort_request(self, seq_id: int) -> None:
-        if self.scheduler.abort(seq_id):
+        try:
+            found = self.scheduler.abort(seq_id)
+        except BaseException:
+            self._recover([])  # finishes the abort; its output goes with it
+            raise
+        if found:
             self._outputs.pop(seq_id, None)
             self._forget(seq_id)
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, compute and record one step; the outputs of the requests that got a token.
+
+        Exception-safe: whatever is raised inside (a KeyboardInterrupt in the forward pass, a
+        failing listener or executor), the engine recovers before it propagates (_recover):
+        every request is still queued, or finished with its blocks back, and stepping again
+        goes on where it was. Tokens sampled before the exception are kept; that step's
+        outputs are not returned, but each request's ``token_ids`` catches up."""
         t0 = time.perf_counter()
         self.block_manager.step = self.num_steps
-        seqs = self.scheduler.schedule()
-        token_ids = self.executor.run(seqs) if seqs else []
-        listening = bool(self.events)
-        if listening:  # postprocess resets num_scheduled_tokens: read them first
-            scheduled = [(s.seq_id, s.num_scheduled_tokens, s.is_prefill) for s in seqs]
-        advanced = self.scheduler.postprocess(seqs, token_ids)
-        now = self.clock
-        outputs = self._record(advanced, now)
-        if listening:
-            self._snapshot(scheduled, time.perf_counter() - t0, now)
+        seqs: list[Sequence] = []
+        try:
+            seqs = self.scheduler.schedule()
+            token_ids = self.executor.run(seqs) if seqs else []
+            listening = bool(self.events)
+            if listening:  # postprocess resets num_scheduled_tokens: read them first
+                scheduled = [(s.seq_id, s.num_scheduled_tokens, s.is_prefill) for s in seqs]
+            advanced = self.scheduler.postprocess(seqs, token_ids)
+            now = self.clock
+            outputs = self._record(advanced, now)
+            if listening:
+                self._snapshot(scheduled, time.perf_counter() - t0, now)
+        except BaseException:
+            self._recover(seqs)
+            raise
         self.num_steps += 1
         return outputs
 
     def _record(self, advanced: list[Sequence], now: float) -> list[RequestOutput]:
         outputs = []
         pending = self._outputs
+        finished = []
         for seq in advanced:  # once per generated token: a plain loop, no helper calls
             out = pending[seq.seq_id]
             token = seq.last_token
@@ -157,9 +198,39 @@ class LLMEngine:
                 out.finish_reason = seq.finish_reason
                 out.finish_time = now
                 del pending[seq.seq_id]
-                self._forget(seq.seq_id)
+                finished.append(seq.seq_id)
             outputs.append(out)
+        for seq_id in finished:  # after the loop: if the executor raises, the outputs are whole
+            self._forget(seq_id)
         return outputs
+
+    def _recover(self, seqs: list[Sequence]) -> None:
+        """After an exception in a step (``seqs``: what it scheduled) or an abort: the
+        scheduler makes its books whole (Scheduler.recover), then the outputs follow the
+        sequences. Each catches up with the tokens its sequence got before the exception, and
+        those of requests no longer queued (finished, or aborted) are closed and dropped."""
+        sched = self.scheduler
+        sched.recover()
+        pending = self._outputs
+        caught_up = [(pending[s.seq_id], s) for s in seqs if s.seq_id in pending]
+        if caught_up:
+            now = self.clock
+            for out, seq in caught_up:
+                _catch_up(out, seq, now)
+        queued = {seq.seq_id for seq in itertools.chain(sched.running, sched.waiting)}
+        for seq_id in [i for i in pending if i not in queued]:
+            del pending[seq_id]
+            self._forget(seq_id)
+
+    def check_invariants(self) -> None:
+        """Assert the books balance: the scheduler's and the block manager's
+        (Scheduler.check_invariants), and one pending output for each queued request."""
+        sched = self.scheduler
+        sched.check_invariants()
+        queued = {seq.seq_id for seq in itertools.chain(sched.running, sched.waiting)}
+        assert set(self._outputs) == queued, (
+            f"pending outputs {sorted(self._outputs)} != queued requests {sorted(queued)}"
+        )
 
     def _snapshot(self, scheduled: list[tuple[int, int, bool]], wall: float, now: float) -> None:
         bm, stats = self.block_manager, self.block_manager.stats
@@ -195,3 +266,57 @@ class LLMEngine:
                 miss_tokens=dict(stats.miss_tokens),
             )
         )
+
+
+def _catch_up(out: RequestOutput, seq: Sequence, now: float) -> None:
+    """Bring ``out`` level with ``seq``: the tokens it got in a step that then raised."""
+    new = list(seq.token_ids[seq.num_prompt_tokens + len(out.token_ids) :])
+    if new:
+        out.new_token_ids = new
+        out.token_ids.extend(new)
+        if out.first_token_time is None:
+            out.first_token_time = now
+            out.num_cached_tokens = seq.num_prefix_hit_tokens
+    if seq.status is SequenceStatus.FINISHED:
+        out.finished = True
+        out.finish_reason = seq.finish_reason
+        out.finish_time = now
+
+
+_INT64 = (-(2**63), 2**63)
+
+
+def check_token_ids(token_ids: list[int] | array, vocab_size: int | None) -> None:
+    """Raise RequestRejected naming the first id a prompt may not hold: not an integer, or
+    outside the vocabulary (0 to ``vocab_size - 1``); without one, outside int64 (the prefix
+    cache hashes ids as int64). One vectorized pass when the ids are fine."""
+    lo, hi = _INT64 if vocab_size is None else (0, vocab_size)
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        if vocab_size is None:
+            return  # int64 by construction
+        ids = np.frombuffer(token_ids, dtype=np.int64)
+    else:
+        try:
+            ids = np.asarray(token_ids)
+        except (OverflowError, TypeError, ValueError):
+            ids = None  # too big for numpy's integers, or ragged: the loop below names it
+    if ids is not None and _within(ids, lo, hi):
+        return
+    for i, t in enumerate(token_ids):
+        if isinstance(t, bool) or not isinstance(t, Integral):
+            raise RequestRejected(f"token id {t!r} at position {i} is not an integer")
+        if not lo <= t < hi:
+            where = (
+                "does not fit in a signed 64-bit integer"
+                if vocab_size is None
+                else f"is outside the vocabulary ({vocab_size} ids: 0 to {vocab_size - 1})"
+            )
+            raise RequestRejected(f"token id {t} at position {i} {where}")
+
+
+def _within(ids: np.ndarray, lo: int, hi: int) -> bool:
+    if ids.ndim != 1:
+        return False  # nested lists
+    if not ids.size:
+        return True
+    return ids.dtype == np.int64 and lo <= int(ids.min()) and int(ids.max()) < hi

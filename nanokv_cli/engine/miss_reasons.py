@@ -25,6 +25,7 @@ block count.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -131,6 +132,16 @@ class MissExplainer:
             h = seq.block_hashes[i]
             if self._pending.get(h) == seq.block_table[i]:
                 del self._pending[h]
+
+    def reclaim(self, bm: BlockManager, prefilling: list[Sequence]) -> None:
+        """Claims as they stand when nothing is cut short: each sequence mid-prefill claims the
+        block it computes next (the first claimer of a hash keeps it, as in ``_claim_next``)."""
+        self._pending.clear()
+        for seq in prefilling:
+            self._claim_next(bm, seq, seq.num_cached_tokens // self.block_size)
+
+    def claimed_blocks(self) -> Iterable[int]:
+        return self._pending.values()
 
     def cleared(self) -> None:
         self._evicted_at.clear()

@@ -21,8 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
-from .layers import cpu_kernels
+from .config import EngineConfig, ModelConfig
+from .cpu import kernels as cpu_kernels
+from .cpu.formats import (
+    MAX_ROW_PACKED_BYTES,
+    RowPackedLinear,
+    fused_decode_max_rows,
+)
+from .cpu.quantize import check_quantization, pack_model
 from .layers.attention import (
     Attention,
     AttentionMetadata,
@@ -33,37 +39,23 @@ from .layers.attention import (
     flash_attn_with_kvcache,
     uses_sdpa_prefill,
 )
-from .layers.linear import (
-    LinearBase,
-    pack_for_single_row,
-    prefill_step,
-    single_row_packing_available,
-    worth_packing,
-)
-from .layers.quant import QuantizedLinear
+from .layers.embed_head import ParallelLMHead
+from .layers.linear import LinearBase
 from .layers.tp import tp_rank, tp_size
 from .loader import QuantizedTensor
+from .memory import InsufficientMemoryError, check_memory_fits, format_bytes, memory_limit
 from .models import build_model, load_weights
-from .quantize import attach_file_blocks, check_quantization, quantize_model
 from .sampler import Sampler
 from .sequence import Sequence
 
-# CPU KV cache budget when none is given: a quarter of the memory available at start-up,
+# CPU KV cache budget when none is given: a quarter of the memory the process may still take
+# at start-up (the tightest of ulimit -v, the cgroup limit and MemAvailable: memory_limit),
 # within these bounds. 1 GiB held ~40 of the throughput benchmark's 64 sequences (SmolLM2,
 # float32, block size 256), and the preemptions and smaller batches that followed cost 2x in
 # throughput; 4 GiB holds all of them. Pages are only touched as blocks come into use.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes, when available memory cannot be read
 MIN_CPU_KV_CACHE_MEMORY = 256 << 20
 MAX_CPU_KV_CACHE_MEMORY = 4 << 30
-
-# At most this many bytes of MKL-packed weight copies for single-row decode (see _pack_weights).
-MAX_PACKED_WEIGHT_BYTES = 1 << 30
-
-# Decode steps of fewer rows than this run as one C call (``cpu_decoder``) when the model's
-# projections are float32: the C GEMV beats MKL's GEMM up to ~16 rows (30 SmolLM2 layers,
-# 1 thread: 4 rows 17-24 vs 31-34 ms, 16 rows 53-75 vs 59-80 ms). Quantized layers set their
-# own limit (dense_min_rows).
-FUSED_DECODE_MAX_ROWS = 16
 
 # Decode queries are split into at most this many length buckets of at least this many
 # sequences: a bucket is padded to its own longest context, and each bucket costs one gather
@@ -125,14 +117,52 @@ def keep_freed_memory() -> bool:
 
 
 def default_cpu_kv_cache_memory() -> int:
-    """Bytes for the CPU KV cache: a quarter of available memory, clamped (see above)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
+    """Bytes for the CPU KV cache: a quarter of what the process may still take, clamped (see
+    above), and never over half of it: under a tight ``ulimit -v`` or cgroup limit the
+    minimum gives way rather than the allocation failing."""
+    limit = memory_limit(torch.device("cpu"))
+    if limit is None:
         return DEFAULT_CPU_KV_CACHE_MEMORY
-    return max(MIN_CPU_KV_CACHE_MEMORY, min(MAX_CPU_KV_CACHE_MEMORY, available // 4))
+    share = max(MIN_CPU_KV_CACHE_MEMORY, min(MAX_CPU_KV_CACHE_MEMORY, limit.free // 4))
+    return max(0, min(share, limit.free // 2))
+
+
+def resolve_device(device: str | None, rank: int = 0) -> torch.device:
+    """The device a run uses: ``device`` (None: cuda if available, else cpu), checked to exist.
+
+    A bare "cuda" is one GPU per tensor-parallel rank (``cuda:rank``). Raises ValueError
+    saying which devices there are.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        message = f"--device {device!r} is not a device: use cpu, cuda or cuda:N"
+        raise ValueError(message) from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"--device {device}: nanokv runs on cpu or cuda (cuda:N) only")
+    if not torch.backends.cuda.is_built():
+        raise ValueError(
+            f"--device {device}: this torch build has no CUDA (it is the CPU build, "
+            f"{torch.__version__}); use --device cpu"
+        )
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(
+            f"--device {device}: no CUDA device is visible (check the driver and "
+            "CUDA_VISIBLE_DEVICES); use --device cpu"
+        )
+    if dev.index is None:
+        dev = torch.device("cuda", rank)
+    if dev.index >= count:
+        which = f"{count} CUDA devices, cuda:0 to cuda:{count - 1}"
+        which = which if count > 1 else "1 CUDA device, cuda:0"
+        for_rank = f" for tensor-parallel rank {rank}" if device == "cuda" else ""
+        raise ValueError(f"--device {dev}{for_rank}: this machine has {which}")
+    return dev
 
 
 @contextmanager
@@ -149,6 +179,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """How one step runs, chosen by the runner from what the step holds and passed down: no
+    layer keeps a flag of its own."""
+
+    # Single-token rows only, on the CPU kernels: the whole decoder in one C call.
+    fused_decoder: bool
+    # Prompt chunks of 2+ tokens: packed projections round their inputs to 16 bits, because a
+    # prompt's K/V feed every later token (cpu/formats.py); decode rows round to the format's.
+    exact_inputs: bool
+
+
 @dataclass
 class StepBatch:
     """One step's model inputs, in the runner's order (single-token queries first)."""
@@ -156,6 +198,7 @@ class StepBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+    plan: StepPlan
     logits_rows: torch.Tensor | None  # rows of the hidden states to project; None: all
     restore: torch.Tensor | None  # permutation back to the caller's order; None: identity
 
@@ -165,46 +208,38 @@ class ModelRunner:
         self,
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
+        engine_config: EngineConfig,
         *,
-        block_size: int,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        dtype: torch.dtype | str | None = None,
-        device: str | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int = 4096,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        quantization: str | None = None,
         quantized_blocks: Mapping[str, QuantizedTensor] | None = None,
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        """``quantized_blocks``: a GGUF file's own blocks, for ``quantization="auto"``."""
         self.config = config
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        self.engine_config = engine_config
+        self.block_size = engine_config.block_size
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
+        self.max_model_len = engine_config.model_len(config.max_position_embeddings)
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.device = self._resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.quantization = check_quantization(quantization, self.device, self.tp_size)
+        self.device = self._resolve_device(engine_config.device)
+        self.dtype = resolve_dtype(engine_config.dtype, self.device)
+        self.quantization = check_quantization(
+            engine_config.quantization, self.device, self.tp_size
+        )
+        # Before anything is allocated: what the model and the cache asked for imply.
+        check_memory_fits(
+            config, engine_config, self.device, self.dtype, self.quantization, self.tp_size
+        )
         if self.device.type == "cpu":
             keep_freed_memory()
         with _default_dtype(self.dtype), self.device:
-            self.model = build_model(config, max_position=max_model_len)
-        if self.quantization == "auto":  # float weights, plus the file's blocks for few rows
+            self.model = build_model(config, max_position=self.max_model_len)
+        if self.quantization is None:
             load_weights(self.model, weights)
-            if not attach_file_blocks(self.model, quantized_blocks or {}):
-                self.quantization = None
-        elif self.quantization is None:
-            load_weights(self.model, weights)
-        else:  # weight-only int8/int4 layers in place of the float ones (quantize.py)
-            quantize_model(self.model, self.quantization, weights)
+        elif not pack_model(self.model, self.quantization, weights, quantized_blocks or {}):
+            self.quantization = None  # "auto" on a file without blocks a format holds
         self.model.eval()
         # float32 on CPU: decodes read the cache in place through the C attention kernel, and
-        # norms, rotary, K/V stores and silu*mul are fused C calls (layers/cpu_kernels.py).
+        # norms, rotary, K/V stores and silu*mul are fused C calls (cpu/kernels.py).
         self.use_cpu_kernel = (
             self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.available()
         )
@@ -220,10 +255,6 @@ class ModelRunner:
             and cpu_kernels.half_cache_supported()
             else self.dtype
         )
-        if self.use_cpu_kernel:
-            for module in self.model.modules():
-                if hasattr(type(module), "cpu_kernels"):
-                    module.cpu_kernels = True
         self.packed_weight_bytes = self._pack_weights() if self.device.type == "cpu" else 0
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
@@ -231,38 +262,20 @@ class ModelRunner:
         self.use_flash = (
             self.device.type == "cuda"
             and flash_attn_with_kvcache is not None
-            and block_size % 256 == 0
+            and self.block_size % 256 == 0
             and self.dtype in (torch.float16, torch.bfloat16)
         )
-        self.use_cuda_graph = self.use_flash and not enforce_eager
-        self._offsets = torch.arange(block_size)
+        self.use_cuda_graph = self.use_flash and not engine_config.enforce_eager
+        self._offsets = torch.arange(self.block_size)
         self._workspace: torch.Tensor | None = None
-        self.num_blocks = self._resolve_num_blocks(
-            num_blocks, kv_cache_memory, gpu_memory_utilization
-        )
+        self.num_blocks = self._resolve_num_blocks()
         self.kv_cache = self._allocate_kv_cache()
-        # Decode steps of few sequences run the whole decoder in one C call (cpu_kernels.c):
-        # ~10 ms less Python per step for SmolLM2's 30 layers (scripts/BENCHMARKS.md).
+        # Decode steps run the whole decoder in one C call (cpu/csrc/decoder.c): ~10 ms less
+        # Python per step for SmolLM2's 30 layers, and 12-18% faster than layer by layer at
+        # 17-64 rows (scripts/BENCHMARKS.md), as far as the projections' formats allow.
         self.cpu_decoder = self.model.cpu_decoder() if self.fused_decode else None
-        # As long as every layer's kernel beats the many-row path on its own: quantized layers
-        # say when (dense_min_rows); float32 ones at FUSED_DECODE_MAX_ROWS.
-        self.fused_max_rows = min(
-            (
-                m.dense_min_rows
-                for m in self.model.model.layers.modules()
-                if isinstance(m, QuantizedLinear)
-            ),
-            default=FUSED_DECODE_MAX_ROWS,
-        )
-        # ``auto``: larger decode steps run in one C call too, over the batch copies (12-18%
-        # faster than layer by layer at 17-64 rows; scripts/BENCHMARKS.md, change 20).
-        projections = [m for m in self.model.model.layers.modules() if isinstance(m, LinearBase)]
-        self.cpu_batch_decoder = (
-            self.model.cpu_decoder(batched=True)
-            if self.cpu_decoder is not None
-            and projections
-            and all(m.batched is not None for m in projections)
-            else None
+        self.fused_max_rows = fused_decode_max_rows(
+            [m for layer in self.model.model.layers for m in _projections(layer)]
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_cuda_graph:
@@ -271,41 +284,31 @@ class ModelRunner:
     # -- set-up -------------------------------------------------------------------------------
 
     def _resolve_device(self, device: str | None) -> torch.device:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            # One GPU per tensor-parallel rank.
-            dev = torch.device("cuda", self.tp_rank)
-        if dev.type == "cuda":
+        dev = resolve_device(device, self.tp_rank)
+        if dev.type == "cuda":  # pragma: no cover - GPU
             torch.cuda.set_device(dev)
         return dev
 
     def _pack_weights(self) -> int:
-        """Give wide float32 projections an MKL-packed copy for 1-row inputs; bytes added.
-
-        A single sequence's decode step reads every weight once per token, and MKL's packed
-        GEMM streams wide matrices ~1.5-2x faster than F.linear does (see ``worth_packing``):
-        on SmolLM2 the step's linear layers drop from ~37 to ~28 ms. The copies cost memory
-        (SmolLM2: 330 MB over 540 MB of weights), so they stop at MAX_PACKED_WEIGHT_BYTES.
-        Where the one-call C decode step runs, only the LM head is packed: the step reads the
-        projections itself, and the head (1 row of logits per sequence) stays in torch.
-        """
-        if not single_row_packing_available():
+        """Give wide float32 layers MKL's packed copy for 1-row inputs (``RowPackedLinear``);
+        bytes added. Where the one-call C decoder runs, only the LM head: the decoder reads
+        the projections itself."""
+        if self.tp_size != 1 or not RowPackedLinear.available():
             return 0
         added = 0
-        for module in self.model.modules():
-            weight = getattr(module, "weight", None)
-            if not hasattr(module, "packed_row") or weight is None or not worth_packing(weight):
+        for path, module in list(self.model.named_modules()):
+            if not isinstance(module, (LinearBase, ParallelLMHead)):
                 continue
-            if getattr(module, "quantized", None) is not None:  # few rows go to its twin
+            if not RowPackedLinear.worth_packing(module.weight):
                 continue
             if self.fused_decode and isinstance(module, LinearBase):
                 continue
-            size = weight.numel() * weight.element_size()
-            if added + size > MAX_PACKED_WEIGHT_BYTES:
+            size = module.weight.numel() * module.weight.element_size()
+            if added + size > MAX_ROW_PACKED_BYTES:
                 break
-            module.packed_row = pack_for_single_row(weight)
+            parent, _, name = path.rpartition(".")
+            bias = module.bias if isinstance(module, LinearBase) else None
+            setattr(self.model.get_submodule(parent), name, RowPackedLinear(module.weight, bias))
             added += size
         return added
 
@@ -316,25 +319,47 @@ class ModelRunner:
         per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
         return per_token * self.block_size * self.kv_cache_dtype.itemsize
 
-    def _resolve_num_blocks(
-        self, num_blocks: int | None, kv_cache_memory: int | None, gpu_memory_utilization: float
-    ) -> int:
-        if num_blocks is not None:
-            if num_blocks < 1:
-                raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-            return num_blocks
-        if self.device.type == "cuda" and kv_cache_memory is None:  # pragma: no cover - GPU
-            budget = self._gpu_kv_budget(gpu_memory_utilization)
+    def _resolve_num_blocks(self) -> int:
+        settings = self.engine_config
+        if settings.num_blocks is not None:
+            self._check_cache_fits(settings.num_blocks, "--num-blocks", str(settings.num_blocks))
+            return settings.num_blocks
+        memory = settings.kv_cache_memory
+        if self.device.type == "cuda" and memory is None:  # pragma: no cover - GPU
+            budget = self._gpu_kv_budget(settings.gpu_memory_utilization)
         else:
-            budget = default_cpu_kv_cache_memory() if kv_cache_memory is None else kv_cache_memory
+            budget = default_cpu_kv_cache_memory() if memory is None else memory
         if budget < self.block_bytes:
-            raise ValueError(
-                f"KV cache memory of {budget} bytes cannot hold a single block "
-                f"({self.block_bytes} bytes for block size {self.block_size})"
+            if memory is not None:
+                budget_is, fix = f"--kv-cache-memory {format_bytes(budget)}", "raise it"
+            else:  # the default: a share of what the process may still take
+                limit = memory_limit(self.device)
+                budget_is = f"the default KV cache memory of {format_bytes(budget)}"
+                fix = f"raise {limit.source}" if limit else "set --kv-cache-memory"
+            raise InsufficientMemoryError(
+                f"{budget_is} cannot hold a single block "
+                f"({format_bytes(self.block_bytes)} for block size {self.block_size}): lower "
+                f"--block-size or {fix}"
             )
         # More blocks than every admissible sequence at full length could never be used.
         ceiling = self.max_num_seqs * _cdiv(self.max_model_len, self.block_size)
-        return min(budget // self.block_bytes, ceiling)
+        num_blocks = min(budget // self.block_bytes, ceiling)
+        if memory is not None:
+            self._check_cache_fits(num_blocks, "--kv-cache-memory", format_bytes(memory))
+        return num_blocks
+
+    def _check_cache_fits(self, num_blocks: int, flag: str, value: str) -> None:
+        """A cache the user sized must fit in what the process may still take: the weights
+        are in place by now, so the limit's headroom is what is left for it."""
+        limit = memory_limit(self.device)
+        size = num_blocks * self.block_bytes
+        if limit is None or size <= limit.free:
+            return
+        raise InsufficientMemoryError(
+            f"{flag} {value} asks for a {format_bytes(size)} KV cache ({num_blocks} blocks of "
+            f"{format_bytes(self.block_bytes)}) but only {format_bytes(max(limit.free, 0))} "
+            f"is free under {limit.source}: lower {flag} (or --block-size)"
+        )
 
     def _gpu_kv_budget(self, utilization: float) -> int:  # pragma: no cover - GPU
         """Bytes left for the KV cache after weights and a worst-case prefill's activations."""
@@ -368,16 +393,21 @@ class ModelRunner:
         blocks = self.num_blocks + (1 if self.use_cuda_graph else 0)
         # Left uninitialised (a 1 GiB torch.zeros costs ~1 s of page faults at start-up): no read
         # ever touches a slot before it is written - decode padding reads a written slot.
-        kv_cache = torch.empty(
-            len(self.attention_layers),
-            2,
-            blocks,
-            self.block_size,
-            layer.num_kv_heads,
-            layer.head_dim,
-            dtype=self.kv_cache_dtype,
-            device=self.device,
-        )
+        shape = (len(self.attention_layers), 2, blocks, self.block_size)
+        try:
+            kv_cache = torch.empty(
+                *shape,
+                layer.num_kv_heads,
+                layer.head_dim,
+                dtype=self.kv_cache_dtype,
+                device=self.device,
+            )
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise InsufficientMemoryError(
+                f"could not allocate the {format_bytes(blocks * self.block_bytes)} KV cache "
+                f"({blocks} blocks) on {self.device} ({str(e).splitlines()[0][:120]}): lower "
+                "--num-blocks or --kv-cache-memory"
+            ) from None
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache = kv_cache[i, 0]
             attn.v_cache = kv_cache[i, 1]
@@ -400,8 +430,7 @@ class ModelRunner:
         if not seqs:
             raise ValueError("run needs at least one sequence")
         batch = self._prepare(seqs)
-        with prefill_step(batch.logits_rows is not None):  # rows of several tokens: prefills
-            hidden = self._forward(batch)
+        hidden = self._forward(batch)
         if batch.logits_rows is not None:
             hidden = hidden.index_select(0, batch.logits_rows)
         logits = self.model.compute_logits(hidden)
@@ -418,19 +447,10 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         paged = batch.meta.paged_decode
-        decoder = (
-            self.cpu_decoder
-            if len(batch.input_ids) < self.fused_max_rows
-            else self.cpu_batch_decoder
-        )
-        if (
-            decoder is not None
-            and batch.logits_rows is None  # single-token rows only
-            and paged is not None
-        ):
+        if batch.plan.fused_decoder:
             hidden = self.model.model.embed_tokens(batch.input_ids).contiguous()
             return cpu_kernels.decode_step(
-                decoder,
+                self.cpu_decoder,
                 hidden,
                 batch.positions,
                 batch.meta.slot_mapping,
@@ -480,7 +500,13 @@ class ModelRunner:
             start += n
             rows.append(start - 1)
 
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts))
+        plan = StepPlan(
+            fused_decoder=self.cpu_decoder is not None
+            and not chunks
+            and len(ordered) <= self.fused_max_rows,
+            exact_inputs=bool(chunks),
+        )
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), exact_inputs=plan.exact_inputs)
         contexts = [s.num_cached_tokens + s.num_scheduled_tokens for s in ordered]
         if self.use_flash:  # pragma: no cover - GPU
             meta.flash = self._flash_metadata(ordered, contexts, num_singles)
@@ -494,6 +520,7 @@ class ModelRunner:
             input_ids=torch.tensor(token_ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             meta=meta,
+            plan=plan,
             logits_rows=torch.tensor(rows, dtype=torch.long) if multis else None,
             restore=None,
         )
@@ -711,3 +738,9 @@ def _padded(table: list[int], width: int) -> list[int]:
 
 def _cumsum0(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A decoder layer's four projections, in whatever form they are held."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]

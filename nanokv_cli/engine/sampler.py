@@ -7,6 +7,10 @@ at batch 64). Rows without a
 seed draw together from torch's global generator; a seeded request owns a ``torch.Generator``
 (kept here by ``seq_id`` until ``forget``), so its tokens do not depend on which other requests
 share its batches.
+
+Every step checks that each row's largest logit is finite, cheaply (greedy rows: the value at
+the argmax, which NaN wins), so a model that computes NaN (NaN weights, a float16 overflow)
+fails with a message instead of emitting token 0 to the end.
 """
 
 from collections.abc import Sequence as Seq
@@ -14,6 +18,10 @@ from collections.abc import Sequence as Seq
 import torch
 
 from .sequence import Sequence
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model computed NaN or infinite logits: its weights hold them, or a value overflowed."""
 
 
 class Sampler:
@@ -28,7 +36,10 @@ class Sampler:
         """One token per row of ``logits`` [len(seqs), vocab], following each seq's parameters."""
         rows = [i for i, s in enumerate(seqs) if s.temperature > 0 and s.top_k != 1]
         if not rows:
-            return logits.argmax(-1).tolist()
+            tokens = logits.argmax(-1)
+            check_finite(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), seqs)
+            return tokens.tolist()
+        check_finite(logits.amax(-1), seqs)
         if len(rows) == len(seqs):
             return self._sample(logits.float(), list(seqs)).tolist()
         tokens = logits.argmax(-1)
@@ -64,6 +75,20 @@ class Sampler:
             gen.manual_seed(seq.seed)
             self._generators[seq.seq_id] = gen
         return gen
+
+
+def check_finite(row_max: torch.Tensor, seqs: Seq[Sequence]) -> None:
+    """Raise NonFiniteLogitsError unless every row's largest logit (``row_max``) is finite:
+    a NaN anywhere in a row makes its maximum NaN."""
+    finite = torch.isfinite(row_max)
+    if bool(finite.all()):
+        return
+    bad = seqs[int((~finite).nonzero()[0])]
+    raise NonFiniteLogitsError(
+        f"the model computed non-finite logits (NaN or infinity) for request {bad.seq_id}: "
+        "its weights hold NaN or infinite values, or a value overflowed (with float16 or "
+        "bfloat16, try --dtype float32)"
+    )
 
 
 def filter_top_k_top_p(

@@ -96,35 +96,49 @@ class Scheduler:
         running = self.running
         scheduled: list[Sequence] = []
         append = scheduled.append
-        for _ in range(min(self.max_num_seqs, self.max_num_batched_tokens, len(running))):
-            if not running:
-                break  # preemptions emptied the queue
-            seq = running.popleft()
-            # Hot path: most decode tokens land in a block they already have, so test that
-            # first (what may_append tests) and only then go through can_append/preemption.
-            if seq.num_tokens > len(seq.block_table) * bs:
-                while not bm.can_append(seq):
-                    victim = self._pick_victim()
-                    if victim is None:
-                        self.preempt(seq)
-                        break
-                    self.preempt(victim)
-                else:
-                    bm.may_append(seq)
-                if seq.status is not SequenceStatus.RUNNING:
+        seq = None  # the one in hand: popped, not yet scheduled
+        try:
+            for _ in range(min(self.max_num_seqs, self.max_num_batched_tokens, len(running))):
+                if not running:
+                    break  # preemptions emptied the queue
+                seq = running.popleft()
+                # Hot path: most decode tokens land in a block they already have, so test that
+                # first (what may_append tests) and only then go through can_append/preemption.
+                if seq.num_tokens > len(seq.block_table) * bs and not self._make_room(seq):
+                    seq = None  # preempted itself: it is waiting now
                     continue
-            seq.num_scheduled_tokens = 1
-            append(seq)
-        running.extendleft(reversed(scheduled))
+                seq.num_scheduled_tokens = 1
+                append(seq)
+                seq = None
+        finally:
+            # Whatever was raised, every popped sequence goes back in its order; the one in
+            # hand (while making room for it) only if it is still running.
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                running.appendleft(seq)
+            running.extendleft(reversed(scheduled))
         return scheduled
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Get ``seq`` the block its next token opens, preempting the most recently admitted
+        holders as needed; False if ``seq`` itself had to be preempted."""
+        bm = self.block_manager
+        while not bm.can_append(seq):
+            victim = self._pick_victim()
+            if victim is None:
+                self.preempt(seq)
+                return False
+            self.preempt(victim)
+        bm.may_append(seq)
+        return True
 
     def _pick_victim(self) -> Sequence | None:
         """The most recently admitted sequence holding blocks: running first, then mid-prefill.
 
         Taking mid-prefill sequences too (before giving up on the current one) means the oldest
-        running sequence can always claim the whole cache, so the engine cannot livelock."""
+        running sequence can always claim the whole cache, so the engine cannot livelock. The
+        victim stays queued: preempt() moves it."""
         if self.running:
-            return self.running.pop()
+            return self.running[-1]
         if self.num_prefilling:
             for seq in reversed(self.waiting):
                 if seq.block_table:
@@ -162,24 +176,29 @@ class Scheduler:
             seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
             budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
-        for seq in scheduled:
-            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
-                # The prompt completes this step: from now on it decodes.
-                self.waiting.remove(seq)
-                self.num_prefilling -= 1
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+        # A sequence whose prompt completes this step moves to running in postprocess, once
+        # its prompt is computed: a step that fails before then leaves it mid-prefill.
         return scheduled
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, queue at the front."""
-        if seq.status == SequenceStatus.WAITING:  # mid-prefill victim: it keeps its place
-            self.num_prefilling -= 1
+        """Recompute preemption: drop the KV, keep the tokens, queue at the front.
+
+        Queues first, blocks after: if releasing the blocks is cut short by an exception, the
+        sequence already waits holding part of them, and recover() preempts it again."""
+        if seq.status is SequenceStatus.WAITING:  # mid-prefill victim: it keeps its place
+            if seq.block_table:
+                self.num_prefilling -= 1
         else:
+            running = self.running
+            if running and running[-1] is seq:
+                running.pop()  # a victim: the most recently admitted
+            elif seq in running:
+                running.remove(seq)
+            # (otherwise the decode loop holds it)
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
-        self.block_manager.deallocate(seq)
         seq.is_prefill = True
+        self.block_manager.deallocate(seq)
         self.block_manager.stats.preemptions += 1
         if self.on_event:
             self.on_event(SequencePreempted(seq.seq_id, seq.num_tokens))
@@ -187,7 +206,11 @@ class Scheduler:
     # -- after the forward pass ------------------------------------------------------------------
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Record computed KV and sampled tokens; return the sequences that got a new token."""
+        """Record computed KV and sampled tokens; return the sequences that got a new token.
+
+        One sequence at a time, each in an order recover() can finish from: registering the
+        blocks it filled (which changes nothing else if it raises), plain bookkeeping, then
+        releasing it if it is done."""
         bm = self.block_manager
         bs = bm.block_size
         eos = self.eos_token_ids
@@ -204,31 +227,44 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             if end < seq.num_tokens:
                 continue  # an unfinished prompt chunk: its sampled token means nothing
-            seq.is_prefill = False
+            if seq.is_prefill:  # the prompt is computed: from now on it decodes
+                seq.is_prefill = False
+                self.waiting.remove(seq)
+                self.num_prefilling -= 1
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
             seq.append_token(token_id)
             append(seq)
             if token_id in eos and not seq.ignore_eos:
-                self._finish(seq, "stop")
+                seq.finish_reason = "stop"
             elif (
                 seq.num_tokens - seq.num_prompt_tokens >= seq.max_tokens
                 or seq.num_tokens >= max_len
             ):
-                self._finish(seq, "length")
+                seq.finish_reason = "length"
+            else:
+                continue
+            # Marked before anything that may raise: a release cut short leaves a finished
+            # sequence queued, which recover() releases (rather than let it decode on).
+            seq.status = SequenceStatus.FINISHED
+            self._release(seq, self.running)
         return advanced
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self.running.remove(seq)
+    def _release(self, seq: Sequence, queue: deque[Sequence]) -> None:
+        """Give a finished sequence's blocks back and take it off ``queue``. The sequence stays
+        queued until its blocks are back, so a release cut short can be found and finished."""
+        if queue is self.waiting and seq.block_table:
+            self.num_prefilling -= 1
         self.block_manager.deallocate(seq)
+        queue.remove(seq)
         if self.on_event:
             self.on_event(
                 SequenceFinished(
                     seq.seq_id,
-                    reason,
+                    seq.finish_reason,
                     seq.num_prompt_tokens,
                     seq.num_completion_tokens,
-                    seq.num_prefix_hit_tokens,
+                    max(0, seq.num_prefix_hit_tokens),
                 )
             )
 
@@ -237,21 +273,66 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.seq_id == seq_id:
-                    if seq.block_table and queue is self.waiting:
-                        self.num_prefilling -= 1
-                    queue.remove(seq)
-                    self.block_manager.deallocate(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
-                    if self.on_event:
-                        self.on_event(
-                            SequenceFinished(
-                                seq.seq_id,
-                                "abort",
-                                seq.num_prompt_tokens,
-                                seq.num_completion_tokens,
-                                max(0, seq.num_prefix_hit_tokens),
-                            )
-                        )
+                    self._release(seq, queue)
                     return True
         return False
+
+    # -- after an exception ----------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Make the books whole after an exception cut a step (or an abort) short, wherever it
+        was raised, so that every request can go on or be aborted.
+
+        Every change above is ordered so that what an exception leaves is one of three things,
+        all visible from the queues: a finished sequence still queued (its release was cut
+        short: finished now), a sequence whose blocks do not match its progress (an admission
+        or a preemption cut short: preempted, so it keeps its tokens and recomputes), or a
+        consistent sequence. Then nothing stays scheduled, ``num_prefilling`` is counted
+        afresh and the claims on blocks being computed are rebuilt. Tokens sampled before the
+        exception stay: the engine's outputs catch up with them."""
+        for queue in (self.running, self.waiting):
+            for seq in list(queue):
+                if seq.status is SequenceStatus.FINISHED:
+                    self._release(seq, queue)
+                elif not self._is_whole(seq):
+                    self.preempt(seq)
+                seq.num_scheduled_tokens = 0
+        prefilling = [seq for seq in self.waiting if seq.block_table]
+        self.num_prefilling = len(prefilling)
+        self.block_manager.reclaim(prefilling)
+
+    def _is_whole(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s blocks and counters are those of a step boundary."""
+        num_held = len(seq.block_table)
+        if seq.status is SequenceStatus.RUNNING:  # decoding: every token's KV but the last
+            return (
+                seq.num_cached_tokens == seq.num_tokens - 1
+                and seq.num_tokens - 1 <= num_held * self.block_manager.block_size
+                and num_held <= seq.num_blocks
+            )
+        if not num_held:  # waiting to be admitted
+            return seq.num_cached_tokens == 0
+        return num_held == seq.num_blocks and seq.num_cached_tokens < seq.num_tokens
+
+    def check_invariants(self) -> None:
+        """Assert the queues balance (the block manager's books included): what recover()
+        restores, and what holds at every step boundary."""
+        seen: set[int] = set()
+        for queue, status in (
+            (self.running, SequenceStatus.RUNNING),
+            (self.waiting, SequenceStatus.WAITING),
+        ):
+            for seq in queue:
+                assert id(seq) not in seen, f"{seq} is queued twice"
+                seen.add(id(seq))
+                assert seq.status is status, f"{seq} is in the wrong queue"
+                assert seq.is_prefill == (status is SequenceStatus.WAITING), seq
+                assert seq.num_scheduled_tokens == 0, f"{seq} is still scheduled"
+                assert self._is_whole(seq), f"{seq}: blocks do not match its progress"
+        holders = [seq for seq in self.waiting if seq.block_table]
+        assert self.num_prefilling == len(holders), (
+            f"num_prefilling {self.num_prefilling} != {len(holders)} sequences mid-prefill"
+        )
+        self.block_manager.check_invariants(list(self.running) + holders)

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
+
+if TYPE_CHECKING:
+    from .chat_template import TemplateLimits
 
 
 class TokenizerError(ValueError):
@@ -64,6 +61,10 @@ _PRE_TOKENIZERS: dict[str, str | None] = {
 # Llama 3 tokenizer.json's `ignore_merges` does), and adds BOS unless the file says otherwise.
 _LLAMA3_STYLE = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"}
 
+# The longest text tokenized in one call: the Rust tokenizer takes ~130 bytes of memory per
+# byte of text (2 GB for this much) and aborts the process when an allocation fails.
+MAX_TEXT_BYTES = 1 << 24
+
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -79,11 +80,18 @@ class Tokenizer:
         eos_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
         special_tokens: Mapping[str, str] | None = None,
+        chat_template_name: str = "of the model",
+        template_limits: TemplateLimits | None = None,
     ) -> None:
+        from .chat_template import TemplateLimits
+
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
+        # Where the template came from, for its error messages ("chat template <name>: ...").
+        self.chat_template_name = chat_template_name
+        self.template_limits = template_limits or TemplateLimits()
         # Template variables such as bos_token/eos_token, as transformers passes them.
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
 
@@ -94,9 +102,59 @@ class Tokenizer:
         """Number of ids the tokenizer can produce (added tokens included)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special-token strings in the text become their ids."""
+    def encode(
+        self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        """Token ids of `text`; special-token strings in the text become their ids.
+
+        Text that is not valid Unicode (a lone surrogate, as a JSON escape or an undecodable
+        command-line byte makes one) is refused with a TokenizerError, and so is text the Rust
+        tokenizer could choke on (it aborts the process when out of memory): over
+        `MAX_TEXT_BYTES`, or, with `max_tokens`, more bytes than that many tokens can hold.
+        """
+        self.check_text(text, max_tokens)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def max_bytes_per_token(self) -> int:
+        """A generous bound on the bytes of text one token stands for: the longest token's
+        UTF-8. Byte-level vocabularies spell bytes as characters of up to 2 UTF-8 bytes, so this
+        is up to twice the truth there, room for normalizers that shorten text (NFC composing a
+        letter and its accent)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(t.encode("utf-8", "replace")) for t in vocab), default=16)
+
+    def check_text(self, text: Any, max_tokens: int | None = None) -> None:
+        """Refuse (TokenizerError) what `encode` refuses, without tokenizing."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"expected text to tokenize, got {type(text).__name__}")
+        limit = MAX_TEXT_BYTES
+        if max_tokens is not None:
+            limit = min(limit, max_tokens * self.max_bytes_per_token)
+        if len(text) > limit:  # every character is at least one byte
+            self._too_long(len(text), "characters", max_tokens, limit)
+        if text.isascii():
+            return
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise TokenizerError(
+                f"the text holds a lone surrogate ({text[e.start]!r}) at character {e.start}: "
+                "not valid Unicode"
+            ) from None
+        if size > limit:
+            self._too_long(size, "bytes", max_tokens, limit)
+
+    def _too_long(self, size: int, unit: str, max_tokens: int | None, limit: int) -> None:
+        if max_tokens is not None and limit < MAX_TEXT_BYTES:
+            raise TokenizerError(
+                f"the text is {size:,} {unit}, more than {max_tokens:,} tokens can hold "
+                f"(at most {self.max_bytes_per_token} bytes each)"
+            )
+        raise TokenizerError(
+            f"the text is {size:,} {unit}; nanokv tokenizes at most {MAX_TEXT_BYTES:,} bytes "
+            "at once"
+        )
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -130,11 +188,11 @@ class Tokenizer:
         context.update(template_kwargs)
         context["messages"] = [dict(m) for m in messages]
         context["add_generation_prompt"] = add_generation_prompt
-        template = _compile_chat_template(self.chat_template)
-        try:
-            return template.render(**context)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template error: {exc}") from exc
+        from .chat_template import render_chat_template  # imports this module's errors
+
+        return render_chat_template(
+            self.chat_template, self.chat_template_name, context, self.template_limits
+        )
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -172,12 +230,14 @@ class Tokenizer:
         eos_id = backend.token_to_id(special["eos_token"]) if "eos_token" in special else None
         if config.get("add_bos_token") and bos_id is not None:
             _ensure_bos(backend, special["bos_token"], bos_id)
+        template, template_file = _hf_chat_template(folder, config)
         return cls(
             backend,
             bos_token_id=bos_id,
             eos_token_ids=[] if eos_id is None else [eos_id],
-            chat_template=_hf_chat_template(folder, config),
+            chat_template=template,
             special_tokens=special,
+            chat_template_name=f"of {template_file}",
         )
 
     @classmethod
@@ -221,6 +281,7 @@ class Tokenizer:
             eos_token_ids=eos_ids,
             chat_template=meta.get("tokenizer.chat_template"),
             special_tokens=special,
+            chat_template_name="in the GGUF metadata (tokenizer.chat_template)",
         )
 
 
@@ -332,18 +393,24 @@ def _ensure_bos(backend: BackendTokenizer, bos: str, bos_id: int) -> None:
         backend.post_processor = _special_token_template((bos, bos_id), None)
 
 
-def _hf_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+def _hf_chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str | None, Path]:
+    """The folder's chat template and the file it came from."""
     # transformers >= 4.43 saves the template as chat_template.jinja next to the config.
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template") or _read_json(folder / "chat_template.json").get(
-        "chat_template"
-    )
+        try:
+            return jinja_file.read_text(encoding="utf-8"), jinja_file
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"{jinja_file} cannot be read: {exc}") from None
+    source = folder / "tokenizer_config.json"
+    template = config.get("chat_template")
+    if not template:
+        source = folder / "chat_template.json"
+        template = _read_json(source).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
+    return (template if isinstance(template, str) else None), source
 
 
 def _token_text(value: Any) -> str | None:
@@ -357,79 +424,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc or type(exc).__name__}") from exc
     return data if isinstance(data, dict) else {}
-
-
-# -- chat template environment -------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept `{% generation %}...{% endgeneration %}` (used for assistant masks) as a no-op."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    # Templates are untrusted: refuse dunder-ish names that could reach interpreter internals.
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)  # Namespace hides attribute lookups on self
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters, which chat templates do not want.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
-    try:
-        return _chat_environment().from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"the model's chat template does not parse: {exc}") from exc
-
-
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _TemplateNamespace
-    return env

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from ..cpu import kernels as cpu_kernels
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn installed
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -110,6 +110,9 @@ class AttentionMetadata:
     """Everything the attention layers need for one step, built once and shared by all layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
+    # The step holds prompt rows: quantized projections round their inputs to 16 bits, not 8
+    # (a prompt's K/V feed every later token; see cpu/formats.py). Chosen by the runner.
+    exact_inputs: bool = False
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     paged_decode: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
@@ -121,9 +124,6 @@ class AttentionMetadata:
 
 class Attention(nn.Module):
     """Writes this layer's new K/V into the paged cache, then attends (GQA-aware)."""
-
-    # Set by the model runner for float32 on CPU: K/V stores go through the C kernel.
-    cpu_kernels = False
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
@@ -141,7 +141,7 @@ class Attention(nn.Module):
         """q [T, heads, hd], k/v [T, kv_heads, hd] -> [T, heads * hd]."""
         if not self.k_cache.numel():
             pass  # the memory-sizing warm-up runs before the cache exists
-        elif self.cpu_kernels:
+        elif cpu_kernels.runs(k):
             cpu_kernels.store_kv(k, v, meta.slot_mapping, self.k_cache, self.v_cache)
         else:
             kvh, hd = self.num_kv_heads, self.head_dim

@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import auto_twin, copy_checked, linear
+from .linear import copy_checked
 from .tp import divide, tp_rank, tp_size
 
 
@@ -48,21 +48,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     each slice once instead of to everyone.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__(num_embeddings, embedding_dim)
-        # MKL-packed weight for 1-row inputs (single-sequence decode); set by the model runner.
-        self.packed_row: torch.Tensor | None = None
-        # ``--quantization auto``: the file's quantized blocks for few rows and a copy for
-        # batches (see LinearBase).
-        self.quantized: nn.Module | None = None
-        self.batched: nn.Module | None = None
-        self.exact: nn.Module | None = None
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        twin = auto_twin(self, hidden.shape[0])
-        if twin is not None:
-            return twin(hidden)
-        logits = linear(hidden, self.weight, None, self.packed_row)
+        logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         parts = (

@@ -4,14 +4,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from ..cpu import kernels as cpu_kernels
 from .linear import copy_checked
 
 
 class RMSNorm(nn.Module):
-    # Set by the model runner for float32 on CPU: one fused C call instead of ~10 torch ops.
-    cpu_kernels = False
-
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -29,7 +26,7 @@ class RMSNorm(nn.Module):
         On the C path the sum is written into ``residual`` itself (each layer's residual
         stream is its own tensor, held by nobody else).
         """
-        if self.cpu_kernels:
+        if cpu_kernels.runs(x):  # one fused C call instead of ~10 torch ops
             if residual is None:
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             return cpu_kernels.rms_norm(x, self.weight, self.eps, residual), residual

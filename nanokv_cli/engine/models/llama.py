@@ -10,13 +10,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers import cpu_kernels
+from ..cpu import kernels as cpu_kernels
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
-from ..layers.quant import QuantizedLinear
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 
 # (cos, signed sin) per token, each [tokens, 1, head_dim]; on the C path instead
@@ -25,9 +24,6 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderAttention(nn.Module):
-    # Set by the model runner for float32 on CPU (see layers/cpu_kernels.py).
-    cpu_kernels = False
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
@@ -52,11 +48,11 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden, meta.exact_inputs)
         n = qkv.shape[0]
         qk_end = self.q_size + self.kv_size
         v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
-        if self.cpu_kernels:
+        if cpu_kernels.runs(qkv):
             q, k = self._rotate_in_place(qkv, rope)
         elif self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
@@ -66,7 +62,7 @@ class DecoderAttention(nn.Module):
             # q and k sit side by side in the fused output: rotate both with one set of kernels.
             qk = apply_rotary(qkv[:, :qk_end].view(n, -1, self.head_dim), *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta), meta.exact_inputs)
 
     def _rotate_in_place(self, qkv: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k as views of the fused projection output, (normed and) rotated in place."""
@@ -83,8 +79,6 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    cpu_kernels = False  # set by the model runner for float32 on CPU
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
@@ -92,11 +86,14 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.cpu_kernels and gate_up.shape[0] > 1:  # one row: torch's 3 ops beat a C call
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        return self.down_proj(self.act(gate_up))
+    def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, exact_inputs)
+        # One row: torch's 3 ops beat a C call.
+        if gate_up.shape[0] > 1 and cpu_kernels.runs(gate_up):
+            act = cpu_kernels.silu_mul(gate_up)
+        else:
+            act = self.act(gate_up)
+        return self.down_proj(act, exact_inputs)
 
 
 class DecoderLayer(nn.Module):
@@ -122,12 +119,10 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, rope, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, meta.exact_inputs), residual
 
 
 class DecoderModel(nn.Module):
-    cpu_kernels = False  # set by the model runner for float32 on CPU
-
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -141,7 +136,7 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.cpu_kernels:
+        if cpu_kernels.runs(hidden):
             rope = (self.rotary_emb.cos_sin, positions)
         else:
             rope = self.rotary_emb.lookup(positions, hidden.dtype)
@@ -176,20 +171,19 @@ class DecoderForCausalLM(nn.Module):
         """Final hidden states [num_tokens, hidden] (logits are computed only where needed)."""
         return self.model(input_ids, positions, meta)
 
-    def cpu_decoder(self, batched: bool = False) -> cpu_kernels.DecoderSpec:
+    def cpu_decoder(self) -> cpu_kernels.DecoderSpec:
         """The C view of the whole decoder for ``cpu_kernels.decode_step`` (float32 CPU, one
         rank, K/V caches bound): raw pointers into this model's tensors, so rebuild it if they
-        move. The spec keeps its layer array alive. ``batched``: over the projections'
-        ``--quantization auto`` batch copies, for decode steps of many rows."""
+        move. The spec keeps its layer array alive."""
         m, cfg = self.model, self.config
         attn0 = m.layers[0].self_attn
         layers = (cpu_kernels.DecoderLayerSpec * len(m.layers))()
         for spec, layer in zip(layers, m.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            spec.qkv = _linear_spec(attn.qkv_proj, batched)
-            spec.o = _linear_spec(attn.o_proj, batched)
-            spec.gate_up = _linear_spec(mlp.gate_up_proj, batched)
-            spec.down = _linear_spec(mlp.down_proj, batched)
+            spec.qkv = _linear_spec(attn.qkv_proj)
+            spec.o = _linear_spec(attn.o_proj)
+            spec.gate_up = _linear_spec(mlp.gate_up_proj)
+            spec.down = _linear_spec(mlp.down_proj)
             spec.input_norm = layer.input_layernorm.weight.data_ptr()
             spec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             if attn.qk_norm:
@@ -220,13 +214,10 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
 
-def _linear_spec(module: nn.Module, batched: bool = False) -> cpu_kernels.LinearSpec:
-    if batched:
-        return module.batched.spec
-    if isinstance(module, QuantizedLinear):
-        return module.spec
-    if getattr(module, "quantized", None) is not None:  # --quantization auto
-        return module.quantized.spec
+def _linear_spec(module: nn.Module) -> cpu_kernels.LinearSpec:
+    spec = getattr(module, "spec", None)  # a packed format's own view (cpu/formats.py)
+    if spec is not None:
+        return spec
     weight = module.weight
     return cpu_kernels.linear_spec(
         cpu_kernels.LINEAR_F32, weight, weight.shape[1], bias=getattr(module, "bias", None)

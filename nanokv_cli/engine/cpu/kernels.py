@@ -1,5 +1,5 @@
-"""Python side of nanokv's CPU kernels (``cpu_kernels.c``), built on first use with the system
-C compiler and called through ctypes.
+"""Python side of nanokv's CPU kernels (``csrc/*.c``), built on first use with the system
+C compiler (``build.py``) and called through ctypes.
 
 Why leave PyTorch on the CPU:
 
@@ -11,15 +11,10 @@ Why leave PyTorch on the CPU:
   torch op costs microseconds of dispatch. Fused here: residual add + RMSNorm, rotary in place,
   the K/V store, silu(gate) * up; and ``decode_step`` runs a whole decoder for a step of a few
   single-token rows in one call (~10 ms less Python per SmolLM2 step).
-* Quantized weights. ``linear`` multiplies GGUF-format int8/int4 weights (Q8_0, Q4_0/Q4_1
-  blocks) by inputs rounded to int8 per 32 values, with integer multiply-adds; see
-  ``layers/quant.py``. Float32 weights go through the same entry point for ``decode_step``,
-  and so do the copies ``--quantization auto`` uses for batches, tiled GEMMs with assembly
-  tiles blocked for L1/L2: fixed point for prefills (``pack_i16``: 14-bit weights against
-  inputs rounded to 13 bits per 64 values, 16 products per instruction;
-  ``quant.FixedPointLinear``) and int4 blocks unpacked into panels for decode steps
-  (``pack_q4_panels``: the same int8-rounded inputs as the blocks' row kernel, 32 products
-  per instruction; ``quant.PanelInt4Linear``).
+* Quantized weights. ``linear`` multiplies GGUF's blocks (Q4_0/Q4_1, Q8_0) in the packed
+  formats (``formats.py``, packed by ``pack_q4`` / ``pack_q8``) by inputs rounded to int8 or int16 per 32 values, with integer
+  multiply-adds in tiles blocked for L1/L2, one layout for every row count (``formats.py``
+  holds the layers). Float32 weights go through the same entry point for ``decode_step``.
 * A float16 KV cache (``auto``, CPUs with F16C): the store rounds K/V to float16 and the
   attention kernel converts them back as it reads, halving a decode step's cache traffic.
 
@@ -36,38 +31,16 @@ caller stays on its torch path and quantization is unavailable.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-_SOURCE_FILE = Path(__file__).with_name("cpu_kernels.c")
-
-# Tried in order: the first that compiles wins. -march=native is safe because the library is
-# cached per CPU (see _library_path); without OpenMP the kernels run on one thread.
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-fopenmp"],
-    ["-O3", "-fopenmp"],
-    ["-O3", "-march=native"],
-    ["-O3"],
-)
-# No FMA contraction (element-wise results round as torch's separate ops do); no errno or
-# trap semantics, which only block vectorisation (neither changes a result).
-_COMMON_FLAGS = ["-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
-_ENV_SWITCH = "NANOKV_CPU_KERNELS"
+from . import build
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
-# Weight storage kinds of the C ``Linear`` (see cpu_kernels.c).
-LINEAR_F32, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_FLOAT_INPUT, LINEAR_I16, LINEAR_Q4_PANELS = range(6)
-# LINEAR_I16 rounds inputs per this many values; the input size must be a multiple of it.
-I16_BLOCK = 64
+# Weight storage kinds of the C ``Linear`` (csrc/common.h).
+LINEAR_F32, LINEAR_Q4P, LINEAR_Q8P = range(3)
 
 
 class LinearSpec(ctypes.Structure):
@@ -79,8 +52,6 @@ class LinearSpec(ctypes.Structure):
         ("out", _i64),
         ("in_", _i64),
         ("weight", _ptr),
-        ("scale", _ptr),
-        ("zero", _ptr),
         ("bias", _ptr),
     ]
 
@@ -132,12 +103,12 @@ _SIGNATURES = {
     "store_kv_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int], None),
     "cache_half_supported": ([], _int),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr, _int], None),
-    "linear_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _i64, _ptr, _i64, _int], _int),
+    "linear_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
     "dequantize_rows_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _ptr, _int], None),
-    "i16_packed_ints": ([_i64, _i64], _i64),
-    "pack_i16": ([_ptr, _i64, _i64, _ptr, _ptr, _int], _int),
-    "q4_panel_bytes": ([_i64, _i64], _i64),
-    "pack_q4_panels": ([ctypes.POINTER(LinearSpec), _ptr, _int], None),
+    "q4p_bytes": ([_i64, _i64], _i64),
+    "q4p_pack": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
+    "q8p_bytes": ([_i64, _i64], _i64),
+    "q8p_pack": ([_ptr, _ptr, _i64, _i64, _ptr, _int], None),
     "decode_step_f32": (
         [ctypes.POINTER(DecoderSpec), _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
         _int,
@@ -148,6 +119,12 @@ _SIGNATURES = {
 def available() -> bool:
     """Whether the kernels can run here (built, or buildable now)."""
     return _library() is not None
+
+
+def runs(x: torch.Tensor) -> bool:
+    """Whether the kernels serve an op on ``x``: float32 on the CPU, kernels built. Layers ask
+    this of their input instead of carrying a flag, so they stay device-neutral."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and _library() is not None
 
 
 @cache
@@ -294,30 +271,38 @@ def linear_spec(
     kind: int,
     weight: torch.Tensor,
     in_features: int,
-    scale: torch.Tensor | None = None,
-    zero: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_features: int | None = None,
 ) -> LinearSpec:
-    """The C view of a linear layer: ``weight`` float32 [out, in], int8 [out, in] or packed 4-bit
-    uint8 [out, in / 2]; ``scale``/``zero`` float16 [out, in / 32]; ``bias`` float32 [out]. For
-    ``LINEAR_I16``, ``weight`` and ``scale`` as ``pack_i16`` returns them, and ``out_features``."""
-    for t in (weight, scale, zero, bias):
+    """The C view of a linear layer: ``weight`` float32 [out, in] (``LINEAR_F32``) or a packed
+    format's bytes (``pack_q4`` / ``pack_q8``, with ``out_features``); ``bias`` float32 [out]."""
+    for t in (weight, bias):
         if t is not None and not t.is_contiguous():
             raise ValueError("linear_spec needs contiguous tensors")
+    if kind != LINEAR_F32 and weight.numel() != packed_bytes(kind, out_features, in_features):
+        raise ValueError(f"{weight.numel()} bytes are not a packed [{out_features}, {in_features}]")
     return LinearSpec(
         kind,
         weight.shape[0] if out_features is None else out_features,
         in_features,
         weight.data_ptr(),
-        None if scale is None else scale.data_ptr(),
-        None if zero is None else zero.data_ptr(),
         None if bias is None else bias.data_ptr(),
     )
 
 
-def linear(spec: LinearSpec, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` for float32 rows ``x`` [n, in] (row stride free, columns packed)."""
+def linear(
+    spec: LinearSpec,
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    exact_inputs: bool = False,
+) -> torch.Tensor:
+    """``x W^T + b`` for float32 rows ``x`` [n, in] (row stride free, columns packed).
+    ``exact_inputs`` (a step holding prompt rows): ``LINEAR_Q4P`` rounds the inputs to int16
+    per 32 instead of int8, as ``LINEAR_Q8P`` always does; float32 weights take them as they are."""
+    if x.dim() != 2 or x.shape[1] != spec.in_ or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(
+            f"linear needs float32 rows [n, {spec.in_}], got {x.dtype} {tuple(x.shape)}"
+        )
     n = x.shape[0]
     if out is None:
         out = torch.empty(n, spec.out, dtype=torch.float32)
@@ -328,6 +313,7 @@ def linear(spec: LinearSpec, x: torch.Tensor, out: torch.Tensor | None = None) -
         n,
         out.data_ptr(),
         out.stride(0),
+        int(exact_inputs),
         torch.get_num_threads(),
     )
     if failed:
@@ -335,45 +321,72 @@ def linear(spec: LinearSpec, x: torch.Tensor, out: torch.Tensor | None = None) -
     return out
 
 
-def pack_i16(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float32 weight [out, in] as ``LINEAR_I16`` reads it: 14-bit integers per output row in
-    panels of 16 rows (int32 pairs), and float32 row scales (padded to a multiple of 16)."""
-    out_features, in_features = weight.shape
-    if in_features % I16_BLOCK:
-        raise ValueError(f"input size {in_features} is not a multiple of {I16_BLOCK}")
-    lib = _library()
-    w = weight.detach().float().contiguous()
-    packed = torch.empty(lib.i16_packed_ints(out_features, in_features), dtype=torch.int32)
-    scale = torch.zeros((out_features + 15) // 16 * 16, dtype=torch.float32)
-    lib.pack_i16(
-        w.data_ptr(),
-        out_features,
-        in_features,
-        packed.data_ptr(),
-        scale.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return packed, scale
-
-
-def pack_q4_panels(spec: LinearSpec) -> torch.Tensor:
-    """A ``LINEAR_Q4`` layer's blocks as ``LINEAR_Q4_PANELS`` reads them: one byte per weight in
-    panels of 16 outputs, with float32 scales and zeros (see cpu_kernels.c)."""
-    if spec.kind != LINEAR_Q4:
-        raise ValueError("pack_q4_panels takes a LINEAR_Q4 layer")
-    lib = _library()
-    packed = torch.empty(lib.q4_panel_bytes(spec.out, spec.in_), dtype=torch.uint8)
-    lib.pack_q4_panels(ctypes.byref(spec), packed.data_ptr(), torch.get_num_threads())
-    return packed
-
-
 def dequantize_rows(spec: LinearSpec, rows: torch.Tensor) -> torch.Tensor:
     """float32 weight rows ``W[rows]`` [len(rows), in] (``rows`` int64, contiguous)."""
+    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < spec.out):
+        raise IndexError(f"rows out of range for a table of {spec.out} rows")
     out = torch.empty(rows.shape[0], spec.in_, dtype=torch.float32)
     _library().dequantize_rows_f32(
         ctypes.byref(spec), rows.data_ptr(), rows.shape[0], out.data_ptr(), torch.get_num_threads()
     )
     return out
+
+
+def packed_bytes(kind: int, out_features: int, in_features: int) -> int:
+    """Bytes of a [out_features, in_features] layer packed as ``kind`` (LINEAR_Q4P/Q8P)."""
+    name = {LINEAR_Q4P: "q4p_bytes", LINEAR_Q8P: "q8p_bytes"}[kind]
+    return int(getattr(_library(), name)(out_features, in_features))
+
+
+def pack_q4(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``LINEAR_Q4P`` bytes of Q4 blocks: ``nibbles`` uint8 [out, in / 2] in GGUF's order (byte j
+    of a 32-block holds elements j and j + 16, low nibble first), ``scale`` and ``zero`` float16
+    [out, in / 32] (Q4_0: ``zero = -8 * scale``)."""
+    out_features, in_features = nibbles.shape[0], 2 * nibbles.shape[1]
+    _check_blocks(nibbles, torch.uint8, scale, out_features, in_features)
+    _check_blocks(zero, torch.float16, scale, out_features, in_features)
+    packed = torch.empty(packed_bytes(LINEAR_Q4P, out_features, in_features), dtype=torch.uint8)
+    nibbles, scale, zero = nibbles.contiguous(), scale.contiguous(), zero.contiguous()
+    _library().q4p_pack(
+        nibbles.data_ptr(),
+        scale.data_ptr(),
+        zero.data_ptr(),
+        out_features,
+        in_features,
+        packed.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return packed
+
+
+def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``LINEAR_Q8P`` bytes of Q8_0 blocks: ``q`` int8 [out, in], ``scale`` float16 [out, in / 32]."""
+    out_features, in_features = q.shape
+    _check_blocks(q, torch.int8, scale, out_features, in_features)
+    packed = torch.empty(packed_bytes(LINEAR_Q8P, out_features, in_features), dtype=torch.uint8)
+    q, scale = q.contiguous(), scale.contiguous()
+    _library().q8p_pack(
+        q.data_ptr(),
+        scale.data_ptr(),
+        out_features,
+        in_features,
+        packed.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return packed
+
+
+def _check_blocks(
+    values: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, rows: int, cols: int
+) -> None:
+    if rows < 1 or cols < 32 or cols % 32:
+        raise ValueError(f"packed layers need [>= 1, a multiple of 32], got [{rows}, {cols}]")
+    if values.dtype != dtype or values.device.type != "cpu":
+        raise ValueError(f"expected a CPU {dtype} tensor, got {values.device.type} {values.dtype}")
+    if scale.dtype != torch.float16 or tuple(scale.shape) != (rows, cols // 32):
+        raise ValueError(
+            f"scales must be float16 [{rows}, {cols // 32}], got {scale.dtype} {tuple(scale.shape)}"
+        )
 
 
 def decode_step(
@@ -404,58 +417,10 @@ def decode_step(
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        return None
-    try:
-        path = _library_path()
-        if not path.is_file():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError):
-        return None  # no compiler or no writable cache: the torch paths serve
+    lib = build.library()
+    if lib is None:
+        return None  # switched off, or no compiler: the torch paths serve
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, restype
     return lib
-
-
-def _library_path() -> Path:
-    from ..loader import default_cache_dir
-
-    # One build per source version and CPU: -march=native code must not meet another CPU.
-    identity = "\n".join(
-        [
-            _SOURCE_FILE.read_text(),
-            platform.machine(),
-            _cpu_flags(),
-            repr(_FLAG_SETS + (_COMMON_FLAGS,)),
-        ]
-    )
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return default_cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(path: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = Path(tmp) / path.name
-        for flags in _FLAG_SETS:
-            command = [compiler, *flags, *_COMMON_FLAGS, "-o", str(built), str(_SOURCE_FILE), "-lm"]
-            if subprocess.run(command, capture_output=True, timeout=120).returncode == 0:
-                os.replace(built, path)  # atomic: a concurrent build just wins or loses
-                return
-    raise RuntimeError("the C compiler rejected nanokv's CPU kernels")

@@ -1,0 +1,141 @@
+/* Shared by every kernel file: includes, float16 conversion, the KV cache's element loads, the
+   exp used by silu and softmax, and the C view of a linear layer. Each file is compiled once per
+   instruction-set variant (see cpu/build.py); ISA-specific code sits behind the compiler's
+   feature macros (__AVX2__, __AVX512F__, ...), generic C everywhere else. */
+#ifndef NANOKV_COMMON_H
+#define NANOKV_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    union { uint32_t u; float f; } v;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        v.f = (float)mantissa * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exponent == 31) {
+        v.u = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+        v.u = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    }
+    return v.f;
+#endif
+}
+
+/* The KV cache holds float32 or, where F16C converts in hardware, float16 (half the bytes a
+   decode step reads; see ModelRunner.kv_cache_dtype). Element `index` of a cache row: */
+static inline __attribute__((always_inline)) float cache_load1(const void *base, int64_t index, int half) {
+    return half ? half_to_float(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+#ifdef __AVX2__
+static inline __attribute__((always_inline)) __m256 cache_load8(const void *base, int64_t index, int half) {
+#ifdef __F16C__
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + index)));
+#endif
+    return _mm256_loadu_ps((const float *)base + index);
+}
+#endif
+
+
+/* exp(x) for x <= 88, Cephes-style 2^n * p(r) in plain arithmetic, so the loops around it
+   vectorise; relative error ~1e-7; below -87 it returns ~exp(-87). */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    union { int32_t i; float f; } two_n;
+    two_n.i = ((int32_t)n + 127) << 23;
+    return p * two_n.f;
+}
+
+/* exp(x) for any float x: saturates outside [-87, 88]. */
+static inline float exp_any(float x) { return exp_clamped(x > 88.0f ? 88.0f : x); }
+
+/* Row r of a [outer, inner, dim] view with rows of dim contiguous: outer stride given. */
+#define ROW(base, r, inner, outer_stride, dim) \
+    ((base) + ((r) / (inner)) * (outer_stride) + ((r) % (inner)) * (dim))
+
+/* Entry points one kernel file calls in another (the one-call decoder composes them). */
+int cache_half_supported(void);
+void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
+                  const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,
+                  float *out, int64_t out_stride, int threads);
+void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
+                const float *table, const int64_t *positions, int threads);
+void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                  const int64_t *slots, int64_t n, int64_t row, void *k_cache, void *v_cache,
+                  int half);
+void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads);
+int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
+                     const void *v_cache, const int64_t *block_tables, const int64_t *context_lens,
+                     int64_t n, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
+                     int64_t block_size, float scale, float *out, int64_t out_stride, int half,
+                     int threads);
+
+/* A linear layer's weights as the kernels read them: LINEAR_F32 float32 [out][in] (linear.c),
+   or one of the packed formats, one layout each for every row count: LINEAR_Q4P (q4.c) from
+   Q4_0/Q4_1 blocks, LINEAR_Q8P (q8.c) from Q8_0 blocks. */
+enum { LINEAR_F32 = 0, LINEAR_Q4P = 1, LINEAR_Q8P = 2 };
+#define QBLOCK 32
+
+typedef struct {
+    int64_t kind, out, in;
+    const void *weight; /* float32 [out][in], or the packed bytes */
+    const float *bias;  /* [out] or NULL */
+} Linear;
+
+/* exact_inputs: the step holds prompt rows, whose K/V every later token reads: LINEAR_Q4P rounds
+   its inputs to 16 bits instead of 8 (LINEAR_Q8P always does; LINEAR_F32 does not round). */
+int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
+               int64_t y_stride, int exact_inputs, int threads);
+
+int64_t q4p_bytes(int64_t out, int64_t in);
+void q4p_pack(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero, int64_t out,
+              int64_t in, uint8_t *packed, int threads);
+int q4p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
+               int64_t y_stride, int exact_inputs, int threads);
+void q4p_dequantize_rows(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads);
+int64_t q8p_bytes(int64_t out, int64_t in);
+void q8p_pack(const int8_t *q, const uint16_t *scale, int64_t out, int64_t in, uint8_t *packed,
+              int threads);
+int q8p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
+               int64_t y_stride, int threads);
+void q8p_dequantize_rows(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads);
+
+/* The tiled product both packed formats run (panels.c): each input row rounded once (round_row:
+   row_bytes of values and row_scales floats), then tiles of up to PANEL_TILE_ROWS rows against
+   panels of 16 outputs, a panel being in / 32 records of record_bytes. tile: sums[rows][16]
+   (zeroed) += `rows` rounded rows (q_stride bytes and d_stride floats apart) x one panel. */
+#define PANEL_TILE_ROWS 6
+typedef struct {
+    int64_t record_bytes, row_bytes, row_scales;
+    void (*round_row)(const float *x, int64_t in, void *q, float *d);
+    void (*tile)(const void *q, int64_t q_stride, const float *d, int64_t d_stride,
+                 const uint8_t *panel, int64_t blocks, int rows, float *sums);
+} PanelFormat;
+int panel_linear(const PanelFormat *f, const Linear *L, const float *x, int64_t x_stride,
+                 int64_t n, float *y, int64_t y_stride, int threads);
+/* 16-bit inputs (panels.c): one 32-block rounded to int16, q = round(x * (X16_MAX / max|x|)),
+   *d = max|x| / X16_MAX; returns sum(q). */
+#define X16_MAX 32767.0f
+int round_block_i16(const float *x, int16_t *q, float *d);
+
+#endif

@@ -1,0 +1,89 @@
+/* Row-wise element kernels: RMSNorm (with the residual add), rotary, the K/V store, silu * up. */
+#include "common.h"
+
+int cache_half_supported(void) {
+#ifdef __F16C__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* RMSNorm over rows of dim, optionally after a residual add:
+   with residual: residual[r] += x[r], out[r] = norm(residual[r]) * w; else out[r] = norm(x[r]) * w.
+   Rows are addressed as [outer, inner, dim] (inner = heads for per-head norms, else 1);
+   out may be x. Sum of squares in float32, as torch's mean. */
+void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
+                  const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,
+                  float *out, int64_t out_stride, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * dim >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = ROW(x, r, inner, x_stride, dim);
+        float *orow = ROW(out, r, inner, out_stride, dim);
+        const float *src = xr;
+        if (residual != NULL) {
+            float *res = ROW(residual, r, inner, residual_stride, dim);
+            #pragma omp simd
+            for (int64_t d = 0; d < dim; d++) res[d] = xr[d] + res[d];
+            src = res;
+        }
+        float squares = 0.0f;
+        #pragma omp simd reduction(+:squares)
+        for (int64_t d = 0; d < dim; d++) squares += src[d] * src[d];
+        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        #pragma omp simd
+        for (int64_t d = 0; d < dim; d++) orow[d] = w[d] * (src[d] * inv);
+    }
+}
+
+/* Rotary embedding in place on x [n, heads, dim] (token stride x_stride, heads contiguous),
+   half-split layout: table[pos] = [cos duplicated | sin with the first half negated]. */
+void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
+                const float *table, const int64_t *positions, int threads) {
+    const int64_t half = dim / 2;
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && n * heads * dim >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const float *cs = table + positions[i] * 2 * dim, *sn = cs + dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + i * x_stride + h * dim;
+            #pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float x1 = v[d], x2 = v[d + half];
+                v[d] = x1 * cs[d] + x2 * sn[d];
+                v[d + half] = x2 * cs[d + half] + x1 * sn[d + half];
+            }
+        }
+    }
+}
+
+/* k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i]; rows of `row` floats, token strides given;
+   a float16 cache (half != 0, F16C builds only) stores them rounded to nearest. */
+void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                  const int64_t *slots, int64_t n, int64_t row, void *k_cache, void *v_cache,
+                  int half) {
+    for (int64_t i = 0; i < n; i++) {
+        if (!half) {
+            memcpy((float *)k_cache + slots[i] * row, k + i * k_stride, sizeof(float) * row);
+            memcpy((float *)v_cache + slots[i] * row, v + i * v_stride, sizeof(float) * row);
+            continue;
+        }
+#ifdef __F16C__
+        uint16_t *kd = (uint16_t *)k_cache + slots[i] * row, *vd = (uint16_t *)v_cache + slots[i] * row;
+        for (int64_t d = 0; d < row; d++) {
+            kd[d] = _cvtss_sh(k[i * k_stride + d], _MM_FROUND_TO_NEAREST_INT);
+            vd[d] = _cvtss_sh(v[i * v_stride + d], _MM_FROUND_TO_NEAREST_INT);
+        }
+#endif
+    }
+}
+
+/* out[i] = silu(x[i, :inter]) * x[i, inter:], x [n, 2 * inter] contiguous, out [n, inter]. */
+void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && n * inter >= 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const float *gate = x + i * 2 * inter, *up = gate + inter;
+        float *o = out + i * inter;
+        #pragma omp simd
+        for (int64_t d = 0; d < inter; d++) o[d] = gate[d] / (1.0f + exp_any(-gate[d])) * up[d];
+    }
+}

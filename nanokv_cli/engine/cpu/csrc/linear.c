@@ -1,0 +1,111 @@
+#include "common.h"
+
+/* ---------------------------------------------------------------------------------------------
+   The linear layers' entry points, y = x W^T + b, and LINEAR_F32: float32 weights [out][in] for
+   the one-call decoder of float models (decoder.c), whose decode steps have a few rows each.
+
+   A decode step at batch 1 streams every weight once and does little arithmetic on it, so its
+   speed is the bytes read per token plus whatever runs between the reads: four output rows at
+   a time against one input row, two accumulators each. Batches of float32 rows go to torch's
+   GEMM (see cpu/formats.py, F32_FUSED_MAX_ROWS); the packed formats (q4.c, q8.c) serve every
+   row count themselves.
+   ------------------------------------------------------------------------------------------ */
+
+#ifdef __AVX2__
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#ifndef PF
+#define PF 128
+#endif
+/* Four output rows o..o+3 of one input row: out[r] = W[o + r] . x (no bias). */
+static void rows4_f32(const Linear *L, int64_t o, const float *x, float out[4]) {
+    const int64_t in = L->in;
+    const float *w = (const float *)L->weight + o * in;
+    int64_t d = 0;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#ifdef __AVX2__
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (; d + 16 <= in; d += 16) {
+        _mm_prefetch((const char *)(w + d + PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + in + d + PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 2 * in + d + PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + 3 * in + d + PF), _MM_HINT_T0);
+        const __m256 x0 = _mm256_loadu_ps(x + d), x1 = _mm256_loadu_ps(x + d + 8);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + d), x0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + in + d), x0, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * in + d), x0, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * in + d), x0, a3);
+        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + d + 8), x1, b0);
+        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + in + d + 8), x1, b1);
+        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * in + d + 8), x1, b2);
+        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * in + d + 8), x1, b3);
+    }
+    s0 = hsum8(_mm256_add_ps(a0, b0));
+    s1 = hsum8(_mm256_add_ps(a1, b1));
+    s2 = hsum8(_mm256_add_ps(a2, b2));
+    s3 = hsum8(_mm256_add_ps(a3, b3));
+#endif
+    for (; d < in; d++) {
+        s0 += w[d] * x[d];
+        s1 += w[in + d] * x[d];
+        s2 += w[2 * in + d] * x[d];
+        s3 += w[3 * in + d] * x[d];
+    }
+    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+/* y [n, out] (row stride y_stride) = x [n, in] (row stride x_stride) W^T + b. Packed kinds need
+   in % 32 == 0. Returns nonzero if out of memory. */
+int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
+               int64_t y_stride, int exact_inputs, int threads) {
+    if (L->kind == LINEAR_Q4P) return q4p_linear(L, x, x_stride, n, y, y_stride, exact_inputs, threads);
+    if (L->kind == LINEAR_Q8P) return q8p_linear(L, x, x_stride, n, y, y_stride, threads);
+    const int64_t tiles = (L->out + 3) / 4;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles >= 32)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t o = 4 * t, width = L->out - o < 4 ? L->out - o : 4;
+        if (width == 4) {
+            for (int64_t i = 0; i < n; i++) {
+                float sums[4];
+                rows4_f32(L, o, x + i * x_stride, sums);
+                for (int r = 0; r < 4; r++) y[i * y_stride + o + r] = sums[r];
+            }
+        } else { /* the last rows of a layer whose size is not a multiple of 4 */
+            for (int64_t r = 0; r < width; r++) {
+                const float *w = (const float *)L->weight + (o + r) * L->in;
+                for (int64_t i = 0; i < n; i++) {
+                    float sum = 0.0f;
+                    for (int64_t d = 0; d < L->in; d++) sum += w[d] * x[i * x_stride + d];
+                    y[i * y_stride + o + r] = sum;
+                }
+            }
+        }
+        if (L->bias != NULL)
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t r = 0; r < width; r++) y[i * y_stride + o + r] += L->bias[o + r];
+    }
+    return 0;
+}
+
+/* out[i] = W[rows[i]] as float32 (an embedding lookup, or a slice for a dense GEMM). */
+void dequantize_rows_f32(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads) {
+    if (L->kind == LINEAR_Q4P) {
+        q4p_dequantize_rows(L, rows, n, out, threads);
+        return;
+    }
+    if (L->kind == LINEAR_Q8P) {
+        q8p_dequantize_rows(L, rows, n, out, threads);
+        return;
+    }
+    const int64_t in = L->in;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
+    for (int64_t i = 0; i < n; i++)
+        memcpy(out + i * in, (const float *)L->weight + rows[i] * in, sizeof(float) * (size_t)in);
+}
