@@ -1,5 +1,16 @@
 """nanokv: run LLMs on a paged KV cache with prefix caching, and watch the cache work."""
 
+import os
+
+# OpenMP threads spin while they wait for work (libgomp, used by torch and the C kernels of
+# engine/cpu/), by default for ~300k iterations: beside another busy process a spinning thread
+# holds the core the descheduled one it waits for needs. A short spin (20k iterations, tens of
+# microseconds) keeps a quiet 2-thread decode's speed and, beside one busy loop on 2 cores,
+# decoded 82-92 tok/s where OMP_WAIT_POLICY=PASSIVE (sleep at once) gave 49-50 (measured in
+# scripts/BENCHMARKS.md). libgomp reads it only when it loads, so it is set here, before
+# anything imports torch; a user's own setting wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
 from .engine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"

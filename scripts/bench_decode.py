@@ -4,10 +4,10 @@ One prompt of ``--prompt-len`` tokens of English text, greedy, ``--max-tokens`` 
 ignored, end to end through each engine's Python API:
 
 - nanokv ``LLM(quantization=...)`` for each of ``--modes``: ``auto`` (the default: a GGUF's
-  own blocks for few-row steps, float weights for the rest), ``none`` (the float model), int8
-  and int4 (quantized weights only; on the default Q4_1 GGUF both take the file's blocks and
-  compute what ``auto`` computes at batch 1). Off the CPU only ``none`` runs;
-- transformers on the same float weights (the loader's converted copy of a GGUF), the baseline;
+  own blocks, held once, for every step), ``none`` (the float model), int8 and int4 (every
+  layer quantized; on the default Q4_1 GGUF both take the file's blocks and compute what
+  ``auto`` computes). Off the CPU only ``none`` runs;
+- transformers on the same float weights (the GGUF exported as a float32 folder), the baseline;
 - llama.cpp on the same GGUF file, when ``llama_cpp`` (llama-cpp-python) is importable. It is
   an optional benchmark dependency (a ~10 minute source build on 2 cores), never needed by CI;
 - the ceiling: the model's linear layers (every projection and the LM head) alone at batch 1
@@ -19,12 +19,12 @@ the time from the first to the last. Repeats alternate the engines so load on a 
 hits them alike; the best run of each is compared (medians printed too). nanokv runs without
 prefix caching, so every repeat pays for its prefill as the other engines do. Also printed:
 resident weight bytes per engine (nanokv's include the MKL-packed copies its float32 CPU path
-keeps for 1-row GEMMs where no quantized twin serves them; llama.cpp's are the mapped GGUF
+keeps for 1-row GEMMs of float layers; llama.cpp's are the mapped GGUF
 file), and how many greedy tokens each
 engine shares with ``none`` before diverging.
 
 ``--batch 16,64`` adds batched decode throughput per mode (N sequences decoding together), to
-check that the quantized layers' large-batch path (dequantize + float32 GEMM) keeps up.
+check that the packed formats' 6-row tiles keep up.
 
     python scripts/bench_decode.py                      # default SmolLM2-135M on CPU
     python scripts/bench_decode.py --threads 1 --quick

@@ -1,6 +1,6 @@
 """The float32 CPU fast paths against their torch references.
 
-C kernels (layers/cpu_kernels.py): paged decode attention, residual add + RMSNorm, rotary,
+C kernels (cpu/kernels.py): paged decode attention, residual add + RMSNorm, rotary,
 K/V stores, silu * mul. MKL-packed weights for 1-row inputs (layers/linear.py). And the runner
 with every fast path switched off, so the torch paths other machines take stay checked here.
 """

@@ -2,6 +2,7 @@
 engine runs it (``EngineConfig``, passed once from ``LLM`` or the CLI down to every part)."""
 
 import math
+import os
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
@@ -250,6 +251,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no graph capture
     tensor_parallel_size: int = 1
     quantization: str | None = "auto"  # "auto", "none"/None, "int8", "int4": see quantize.py
+    # CPU threads of torch and the C kernels, per rank; None: thread_count's default.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -260,6 +263,18 @@ class EngineConfig:
         if isinstance(u, bool) or not isinstance(u, Real) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
+    def thread_count(self) -> int:
+        """The threads each rank computes with: ``threads``, else the CPUs this process may
+        run on (its affinity mask, which taskset and cgroup cpusets narrow) shared among the
+        tensor-parallel ranks, which all run on this machine."""
+        if self.threads is not None:
+            return self.threads
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # macOS and Windows have no affinity call
+            cpus = os.cpu_count() or 1
+        return max(1, cpus // self.tensor_parallel_size)
+
     def model_len(self, limit: int) -> int:
         """The longest sequence (prompt + output) admitted on a model of ``limit`` positions."""
         return min(self.max_model_len or limit, limit)
@@ -267,7 +282,7 @@ class EngineConfig:
 
 # Settings that count something: integers >= 1 (the optional ones may also be None).
 _COUNTS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
-_OPTIONAL_COUNTS = ("num_blocks", "kv_cache_memory", "max_model_len")
+_OPTIONAL_COUNTS = ("num_blocks", "kv_cache_memory", "max_model_len", "threads")
 
 
 def _check_count(name: str, value: Any, *, optional: bool) -> None:

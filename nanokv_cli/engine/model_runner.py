@@ -7,10 +7,11 @@ that says where each new token's K/V goes, and per-step attention metadata - wit
 list and tensor operations per sequence (none per token), runs the model once, and computes
 logits only at each sequence's last scheduled position.
 
-On CPU in float32 two fast paths are switched on at start-up (benchmark notes in
-``scripts/BENCHMARKS.md``): the C kernels of ``layers/cpu_kernels.py`` (paged decode attention,
-fused norms, rotary, K/V stores, silu * mul), and MKL-packed copies of the wide projections for
-1-row inputs, which a single sequence's decode runs on (``_pack_weights``).
+On CPU in float32 the C kernels of ``cpu/`` serve (benchmark notes in
+``scripts/BENCHMARKS.md``): paged decode attention, fused norms, rotary, K/V stores, silu * mul,
+the packed weight formats of ``cpu/formats.py``, and the whole decoder in one call for decode
+steps. Each step gets a ``StepPlan`` saying which path it takes and how precisely the packed
+layers round their inputs; wide float32 layers get MKL's 1-row packing (``_pack_weights``).
 """
 
 import ctypes
@@ -215,6 +216,14 @@ class ModelRunner:
         """``quantized_blocks``: a GGUF file's own blocks, for ``quantization="auto"``."""
         self.config = config
         self.engine_config = engine_config
+        # Once, before any work: torch's pool and the C kernels (cpu/kernels.py reads
+        # torch.get_num_threads()) run this many threads from here on.
+        # Given threads win; by default never more than this process may run on, nor more
+        # than the caller already set torch to (a benchmark's or a test's --threads 1).
+        self.threads = engine_config.threads or min(
+            torch.get_num_threads(), engine_config.thread_count()
+        )
+        torch.set_num_threads(self.threads)
         self.block_size = engine_config.block_size
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
