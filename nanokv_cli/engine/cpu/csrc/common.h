@@ -48,6 +48,22 @@ static inline __attribute__((always_inline)) __m256 cache_load8(const void *base
 #endif
 
 
+#ifdef __AVX2__
+/* The 32 floats of an input block loaded into v[0..3], and their largest magnitude: the first
+   step of every input rounding (q4.c's int8, panels.c's int16). */
+static inline __attribute__((always_inline)) float load32_amax(const float *x, __m256 v[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+#endif
+
 /* exp(x) for x <= 88, Cephes-style 2^n * p(r) in plain arithmetic, so the loops around it
    vectorise; relative error ~1e-7; below -87 it returns ~exp(-87). */
 static inline float exp_clamped(float x) {

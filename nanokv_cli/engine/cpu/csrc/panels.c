@@ -24,15 +24,8 @@
 int round_block_i16(const float *x, int16_t *q, float *d) {
     int total = 0;
 #ifdef __AVX2__
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4], amax8 = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) {
-        v[j] = _mm256_loadu_ps(x + 8 * j);
-        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    __m256 v[4];
+    const float amax = load32_amax(x, v);
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? X16_MAX / amax : 0.0f);
     __m256i s8 = _mm256_setzero_si256();
     for (int j = 0; j < 2; j++) {

@@ -98,15 +98,8 @@ void q4p_dequantize_rows(const Linear *L, const int64_t *rows, int64_t n, float 
 static void round_block_q8(const float *x, int8_t *q, float *ds) {
     float amax = 0.0f;
 #ifdef __AVX2__
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4], amax8 = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) {
-        v[j] = _mm256_loadu_ps(x + 8 * j);
-        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[j]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    __m256 v[4];
+    amax = load32_amax(x, v);
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     __m256i i[4];
     for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
