@@ -2,13 +2,12 @@
 
 import os
 
-# OpenMP threads spin while they wait for work (libgomp, used by torch and the C kernels of
-# engine/cpu/), by default for ~300k iterations: beside another busy process a spinning thread
-# holds the core the descheduled one it waits for needs. A short spin (20k iterations, tens of
-# microseconds) keeps a quiet 2-thread decode's speed and, beside one busy loop on 2 cores,
-# decoded 82-92 tok/s where OMP_WAIT_POLICY=PASSIVE (sleep at once) gave 49-50 (measured in
-# scripts/BENCHMARKS.md). libgomp reads it only when it loads, so it is set here, before
-# anything imports torch; a user's own setting wins.
+# torch's OpenMP threads (libgomp) spin while they wait for work, by default for ~300k
+# iterations: beside another busy process a spinning thread holds the core the descheduled one
+# it waits for needs. A short spin (20k iterations, tens of microseconds) keeps torch's quiet
+# speed and costs less beside a competitor (scripts/BENCHMARKS.md). libgomp reads it only when
+# it loads, so it is set here, before anything imports torch; a user's own setting wins. (The C
+# kernels run on their own pool, engine/cpu/csrc/pool.c, which needs no setting.)
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 from .engine.sampling_params import SamplingParams

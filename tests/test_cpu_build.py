@@ -61,7 +61,13 @@ def test_the_kernel_tests_pass_under_every_variant(variant):
     probe = "from nanokv_cli.engine.cpu import kernels; assert kernels.available()"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=600)
     tests = Path(__file__).parent
-    files = ["test_cpu_kernels.py", "test_cpu_formats.py", "test_quant.py"]
+    files = [
+        "test_cpu_kernels.py",
+        "test_cpu_formats.py",
+        "test_cpu_pool.py",
+        "test_quant.py",
+        "test_quantized_model.py",  # the KL and greedy-agreement bounds on the default model
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
         + [str(tests / f) for f in files],

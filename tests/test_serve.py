@@ -575,7 +575,9 @@ def test_the_live_view_runs_on_the_servers_terminal(tiny):
     child.expect(r"serving .* on (http://\S+)/v1")
     url = child.match.group(1)
     child.expect("cached-free")  # the live view is drawn
-    out = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}).json()
+    # sampled at temperature 1 (the API's default): EOS is ignored so that three tokens come
+    body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+    out = httpx.post(f"{url}/v1/completions", json=body).json()
     assert out["usage"]["completion_tokens"] == 3
     child.sendintr()
     rest = child.read()

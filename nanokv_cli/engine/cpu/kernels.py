@@ -19,7 +19,9 @@ Why leave PyTorch on the CPU:
   attention kernel converts them back as it reads, halving a decode step's cache traffic.
 
 The kernels are vectorised with AVX2/FMA/F16C where the CPU has them (plain C elsewhere) and run
-on torch's OpenMP thread pool (the library links the same libgomp). They are compiled with
+on their own thread pool (``csrc/pool.c``: work goes to whichever thread claims it, so a thread
+another process holds up never stalls the step), as many threads as ``torch.get_num_threads()``
+at each call. They are compiled with
 ``-ffp-contract=off`` so that element-wise results round as torch's separate ops do; attention,
 matrix-vector products and the norm's sum of squares differ from torch's in summation order.
 

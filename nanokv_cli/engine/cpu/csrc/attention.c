@@ -1,44 +1,64 @@
 /* Paged decode attention: one query token per row, read through the block table. */
 #include "common.h"
 
-/* scores[t] = scale * (q . k_t), k_t = k + t * stride (cache elements), t < m */
-static inline __attribute__((always_inline)) void key_scores(const float *q, const void *k,
-        int64_t stride, int64_t m, int64_t dim, float scale, float *scores, int half) {
+/* The query heads that share a KV head (GQA) go through its cache rows together, up to
+   GROUP_TILE at a time (what AVX2's 16 registers hold): each row is loaded, and converted from
+   float16, once for all of them. */
+#define GROUP_TILE 3
+
+/* scores[g * row + t] = scale * (q_g . k_t) for the G heads q_g = q + g * dim and the m keys
+   k_t = k + t * stride (cache elements). G is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void group_scores(const float *q, int G, const void *k,
+        int64_t stride, int64_t m, int64_t dim, float scale, float *scores, int64_t row, int half) {
     int64_t t = 0;
 #ifdef __AVX2__
     if (dim % 8 == 0) {
         const __m256 vscale = _mm256_set1_ps(scale);
-        for (; t + 8 <= m; t += 8) {
-            const int64_t k0 = t * stride;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            __m256 a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (; t + 4 <= m; t += 4) {
+            __m256 acc[GROUP_TILE][4];
+            for (int g = 0; g < G; g++)
+                for (int u = 0; u < 4; u++) acc[g][u] = _mm256_setzero_ps();
             for (int64_t d = 0; d < dim; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + d);
-                a0 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + d, half), a0);
-                a1 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + stride + d, half), a1);
-                a2 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 2 * stride + d, half), a2);
-                a3 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 3 * stride + d, half), a3);
-                a4 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 4 * stride + d, half), a4);
-                a5 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 5 * stride + d, half), a5);
-                a6 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 6 * stride + d, half), a6);
-                a7 = _mm256_fmadd_ps(qv, cache_load8(k, k0 + 7 * stride + d, half), a7);
+                __m256 keys[4];
+                for (int u = 0; u < 4; u++) keys[u] = cache_load8(k, (t + u) * stride + d, half);
+                for (int g = 0; g < G; g++) {
+                    const __m256 qv = _mm256_loadu_ps(q + g * dim + d);
+                    for (int u = 0; u < 4; u++) acc[g][u] = _mm256_fmadd_ps(qv, keys[u], acc[g][u]);
+                }
             }
-            /* Horizontal sums of the eight accumulators, as one vector of eight scores. */
-            const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-            const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
-                                              _mm256_permute2f128_ps(h0, h1, 0x31));
-            _mm256_storeu_ps(scores + t, _mm256_mul_ps(sums, vscale));
+            /* per head, the horizontal sums of its four accumulators as four scores */
+            for (int g = 0; g < G; g++) {
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]),
+                                                _mm256_hadd_ps(acc[g][2], acc[g][3]));
+                const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                _mm_storeu_ps(scores + g * row + t, _mm_mul_ps(sums, _mm256_castps256_ps128(vscale)));
+            }
         }
     }
 #endif
-    for (; t < m; t++) {
-        float s = 0.0f;
-        for (int64_t d = 0; d < dim; d++) s += q[d] * cache_load1(k, t * stride + d, half);
-        scores[t] = s * scale;
+    for (; t < m; t++)
+        for (int g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int64_t d = 0; d < dim; d++) s += q[g * dim + d] * cache_load1(k, t * stride + d, half);
+            scores[g * row + t] = s * scale;
+        }
+}
+
+/* scores of one KV head's `group` query heads (q, `group` rows of dim) against m cache rows k,
+   into scores (rows `row` apart): G is made a constant for each tile of heads. */
+static void group_scores_any(const float *q, int64_t group, const void *k, int64_t stride,
+                             int64_t m, int64_t dim, float scale, float *scores, int64_t row, int half) {
+    for (int64_t g0 = 0; g0 < group; g0 += GROUP_TILE) {
+        const float *qg = q + g0 * dim;
+        float *sg = scores + g0 * row;
+        if (group - g0 >= 3) group_scores(qg, 3, k, stride, m, dim, scale, sg, row, half);
+        else if (group - g0 == 2) group_scores(qg, 2, k, stride, m, dim, scale, sg, row, half);
+        else group_scores(qg, 1, k, stride, m, dim, scale, sg, row, half);
     }
 }
 
+/* Values stay one query head at a time: eight independent accumulators over 64 dims keep the
+   FMAs busy, which sharing a row's conversion across heads (fewer accumulators) measured slower. */
 /* acc[d] += sum_t p[t] * v_t[d], v_t = v + t * stride (cache elements), t < m */
 static inline __attribute__((always_inline)) void weighted_values(const float *p, const void *v,
         int64_t stride, int64_t m, int64_t dim, float *acc, int half) {
@@ -104,6 +124,67 @@ static inline int64_t chunk_at(const void *cache, const int64_t *table, int64_t 
     return table[t / block_size] * block_size + t % block_size;
 }
 
+typedef struct {
+    const float *q;
+    const void *k_cache, *v_cache;
+    const int64_t *block_tables, *context_lens;
+    float *out;
+    int64_t q_stride, out_stride, width, dim, block_size, group, slot, row_bytes, span, parts, hq, row;
+    float scale;
+    int half;
+    _Atomic int failed;
+} AttentionJob;
+
+/* One work item: sequence item / parts, its KV heads from (item % parts) * span, span of them. */
+static void attend(void *arg, int64_t item) {
+    AttentionJob *j = arg;
+    const int64_t dim = j->dim, group = j->group, slot = j->slot, hq = j->hq, row = j->row;
+    const int64_t i = item / j->parts, h0 = item % j->parts * j->span, len = j->context_lens[i];
+    const int64_t *table = j->block_tables + i * j->width;
+    const float *qi = j->q + i * j->q_stride + h0 * group * dim;
+    float *oi = j->out + i * j->out_stride + h0 * group * dim;
+    float *scores = malloc(sizeof(float) * (size_t)(hq * row));
+    if (scores == NULL) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t t0 = 0, m; t0 < len; t0 += m) {
+        const int64_t at = chunk_at(j->k_cache, table, t0, len, j->block_size, j->half, j->row_bytes, &m) * slot + h0 * dim;
+        for (int64_t h = 0; h < j->span; h++) {
+            const void *k = (const char *)j->k_cache + (at + h * dim) * (j->half ? 2 : 4);
+            group_scores_any(qi + h * group * dim, group, k, slot, m, dim, j->scale,
+                             scores + h * group * row + t0, row, j->half);
+        }
+    }
+    float totals[hq];
+    for (int64_t g = 0; g < hq; g++) {
+        float *sg = scores + g * row, top = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        #pragma omp simd reduction(+:total)
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = exp_clamped(sg[t] - top);
+            total += sg[t];
+        }
+        totals[g] = total;
+    }
+    memset(oi, 0, sizeof(float) * (size_t)(hq * dim));
+    for (int64_t t0 = 0, m; t0 < len; t0 += m) {
+        const int64_t at = chunk_at(j->v_cache, table, t0, len, j->block_size, j->half, j->row_bytes, &m) * slot + h0 * dim;
+        for (int64_t g = 0; g < hq; g++) {
+            const int64_t a = at + g / group * dim;
+            if (j->half)
+                weighted_values(scores + g * row + t0, (const uint16_t *)j->v_cache + a, slot, m, dim, oi + g * dim, 1);
+            else
+                weighted_values(scores + g * row + t0, (const float *)j->v_cache + a, slot, m, dim, oi + g * dim, 0);
+        }
+    }
+    for (int64_t g = 0; g < hq; g++) {
+        const float inv = 1.0f / totals[g];
+        for (int64_t d = 0; d < dim; d++) oi[g * dim + d] *= inv;
+    }
+    free(scores);
+}
+
 /* One query token per row: q [n, heads, dim] (token stride q_stride), caches
    [num_blocks, block_size, kv_heads, dim], block_tables [n, width], out [n, heads, dim]
    (token stride out_stride). Row i attends to the first context_lens[i] positions of its
@@ -118,65 +199,14 @@ int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
        keep the threads busy, so each cache row (every KV head's slice, side by side) comes from
        memory once, a chunk of rows ahead of its use; one each for a few sequences. The query
        heads sharing a KV head (GQA) read each chunk in turn while it is in L1. */
-    const int64_t group = heads / kv_heads, slot = kv_heads * dim, row_bytes = slot * (half ? 2 : 4);
-    const int64_t span = n >= 4 * threads ? kv_heads : 1, parts = kv_heads / span, hq = span * group;
     if (half && !cache_half_supported()) return 1;
+    const int64_t group = heads / kv_heads, slot = kv_heads * dim;
+    const int64_t span = n >= 4 * threads ? kv_heads : 1;
     int64_t max_len = 0;
     for (int64_t i = 0; i < n; i++) max_len = context_lens[i] > max_len ? context_lens[i] : max_len;
-    const int64_t row = max_len + 8;
-    int failed = 0;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && n * parts > 1)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(hq * row));
-        if (scores == NULL) {
-            failed = 1;
-        } else {
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < n * parts; item++) {
-                const int64_t i = item / parts, h0 = item % parts * span, len = context_lens[i];
-                const int64_t *table = block_tables + i * width;
-                const float *qi = q + i * q_stride + h0 * group * dim;
-                float *oi = out + i * out_stride + h0 * group * dim;
-                for (int64_t t0 = 0, m; t0 < len; t0 += m) {
-                    const int64_t at = chunk_at(k_cache, table, t0, len, block_size, half, row_bytes, &m) * slot + h0 * dim;
-                    for (int64_t g = 0; g < hq; g++) {
-                        const int64_t a = at + g / group * dim;
-                        if (half)
-                            key_scores(qi + g * dim, (const uint16_t *)k_cache + a, slot, m, dim, scale, scores + g * row + t0, 1);
-                        else
-                            key_scores(qi + g * dim, (const float *)k_cache + a, slot, m, dim, scale, scores + g * row + t0, 0);
-                    }
-                }
-                float totals[hq];
-                for (int64_t g = 0; g < hq; g++) {
-                    float *sg = scores + g * row, top = -INFINITY, total = 0.0f;
-                    for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
-                    #pragma omp simd reduction(+:total)
-                    for (int64_t t = 0; t < len; t++) {
-                        sg[t] = exp_clamped(sg[t] - top);
-                        total += sg[t];
-                    }
-                    totals[g] = total;
-                }
-                memset(oi, 0, sizeof(float) * (size_t)(hq * dim));
-                for (int64_t t0 = 0, m; t0 < len; t0 += m) {
-                    const int64_t at = chunk_at(v_cache, table, t0, len, block_size, half, row_bytes, &m) * slot + h0 * dim;
-                    for (int64_t g = 0; g < hq; g++) {
-                        const int64_t a = at + g / group * dim;
-                        if (half)
-                            weighted_values(scores + g * row + t0, (const uint16_t *)v_cache + a, slot, m, dim, oi + g * dim, 1);
-                        else
-                            weighted_values(scores + g * row + t0, (const float *)v_cache + a, slot, m, dim, oi + g * dim, 0);
-                    }
-                }
-                for (int64_t g = 0; g < hq; g++) {
-                    const float inv = 1.0f / totals[g];
-                    for (int64_t d = 0; d < dim; d++) oi[g * dim + d] *= inv;
-                }
-            }
-            free(scores);
-        }
-    }
-    return failed;
+    AttentionJob job = {q, k_cache, v_cache, block_tables, context_lens, out, q_stride, out_stride,
+                        width, dim, block_size, group, slot, slot * (half ? 2 : 4), span,
+                        kv_heads / span, span * group, max_len + 8, scale, half, 0};
+    run_tasks(n * job.parts, threads, attend, &job);
+    return atomic_load(&job.failed);
 }
-

@@ -5,14 +5,12 @@
 #ifndef NANOKV_COMMON_H
 #define NANOKV_COMMON_H
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
 #endif
 
 static inline float half_to_float(uint16_t h) {
@@ -89,6 +87,21 @@ static inline float exp_any(float x) { return exp_clamped(x > 88.0f ? 88.0f : x)
 #define ROW(base, r, inner, outer_stride, dim) \
     ((base) + ((r) / (inner)) * (outer_stride) + ((r) % (inner)) * (dim))
 
+/* The thread pool (pool.c): fn(ctx, i) for each i < items, on the caller and up to threads - 1
+   helpers, whichever claims i first; returns when all have run. */
+typedef void (*task_fn)(void *ctx, int64_t item);
+void run_tasks(int64_t items, int threads, task_fn fn, void *ctx);
+
+/* Row loops split into parts: one (the caller alone) below ~64k elements of work, where a job
+   costs more than it saves; else four per thread, so that a thread held up by another process
+   delays only a part. Part p covers rows [ROWS_BEGIN(p), ROWS_BEGIN(p + 1)). */
+static inline int64_t row_parts(int64_t rows, int64_t work, int threads) {
+    if (rows <= 0) return 0;
+    if (threads <= 1 || work < 65536) return 1;
+    return 4 * (int64_t)threads < rows ? 4 * (int64_t)threads : rows;
+}
+#define ROWS_BEGIN(rows, parts, part) ((rows) * (part) / (parts))
+
 /* Entry points one kernel file calls in another (the one-call decoder composes them). */
 int cache_half_supported(void);
 void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
@@ -128,13 +141,13 @@ void q4p_pack(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zer
               int64_t in, uint8_t *packed, int threads);
 int q4p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
                int64_t y_stride, int exact_inputs, int threads);
-void q4p_dequantize_rows(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads);
+void q4p_dequantize_row(const Linear *L, int64_t row, float *out);
 int64_t q8p_bytes(int64_t out, int64_t in);
 void q8p_pack(const int8_t *q, const uint16_t *scale, int64_t out, int64_t in, uint8_t *packed,
               int threads);
 int q8p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
                int64_t y_stride, int threads);
-void q8p_dequantize_rows(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads);
+void q8p_dequantize_row(const Linear *L, int64_t row, float *out);
 
 /* The tiled product both packed formats run (panels.c): each input row rounded once (round_row:
    row_bytes of values and row_scales floats), then tiles of up to PANEL_TILE_ROWS rows against

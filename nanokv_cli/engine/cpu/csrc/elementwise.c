@@ -13,16 +13,22 @@ int cache_half_supported(void) {
    with residual: residual[r] += x[r], out[r] = norm(residual[r]) * w; else out[r] = norm(x[r]) * w.
    Rows are addressed as [outer, inner, dim] (inner = heads for per-head norms, else 1);
    out may be x. Sum of squares in float32, as torch's mean. */
-void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
-                  const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,
-                  float *out, int64_t out_stride, int threads) {
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * dim >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = ROW(x, r, inner, x_stride, dim);
-        float *orow = ROW(out, r, inner, out_stride, dim);
+typedef struct {
+    const float *x, *w;
+    float *residual, *out;
+    int64_t x_stride, residual_stride, out_stride, rows, inner, dim, parts;
+    float eps;
+} NormJob;
+
+static void norm_rows(void *arg, int64_t part) {
+    const NormJob *j = arg;
+    const int64_t dim = j->dim, inner = j->inner;
+    for (int64_t r = ROWS_BEGIN(j->rows, j->parts, part); r < ROWS_BEGIN(j->rows, j->parts, part + 1); r++) {
+        const float *xr = ROW(j->x, r, inner, j->x_stride, dim);
+        float *orow = ROW(j->out, r, inner, j->out_stride, dim);
         const float *src = xr;
-        if (residual != NULL) {
-            float *res = ROW(residual, r, inner, residual_stride, dim);
+        if (j->residual != NULL) {
+            float *res = ROW(j->residual, r, inner, j->residual_stride, dim);
             #pragma omp simd
             for (int64_t d = 0; d < dim; d++) res[d] = xr[d] + res[d];
             src = res;
@@ -30,22 +36,36 @@ void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t res
         float squares = 0.0f;
         #pragma omp simd reduction(+:squares)
         for (int64_t d = 0; d < dim; d++) squares += src[d] * src[d];
-        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        const float inv = 1.0f / sqrtf(squares / (float)dim + j->eps);
         #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) orow[d] = w[d] * (src[d] * inv);
+        for (int64_t d = 0; d < dim; d++) orow[d] = j->w[d] * (src[d] * inv);
     }
+}
+
+void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
+                  const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,
+                  float *out, int64_t out_stride, int threads) {
+    NormJob job = {x, w, residual, out, x_stride, residual_stride, out_stride, rows, inner, dim,
+                   row_parts(rows, rows * dim, threads), eps};
+    run_tasks(job.parts, threads, norm_rows, &job);
 }
 
 /* Rotary embedding in place on x [n, heads, dim] (token stride x_stride, heads contiguous),
    half-split layout: table[pos] = [cos duplicated | sin with the first half negated]. */
-void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
-                const float *table, const int64_t *positions, int threads) {
-    const int64_t half = dim / 2;
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && n * heads * dim >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float *cs = table + positions[i] * 2 * dim, *sn = cs + dim;
-        for (int64_t h = 0; h < heads; h++) {
-            float *v = x + i * x_stride + h * dim;
+typedef struct {
+    float *x;
+    const float *table;
+    const int64_t *positions;
+    int64_t x_stride, n, heads, dim, parts;
+} RotaryJob;
+
+static void rotary_rows(void *arg, int64_t part) {
+    const RotaryJob *j = arg;
+    const int64_t dim = j->dim, half = dim / 2;
+    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++) {
+        const float *cs = j->table + j->positions[i] * 2 * dim, *sn = cs + dim;
+        for (int64_t h = 0; h < j->heads; h++) {
+            float *v = j->x + i * j->x_stride + h * dim;
             #pragma omp simd
             for (int64_t d = 0; d < half; d++) {
                 const float x1 = v[d], x2 = v[d + half];
@@ -54,6 +74,13 @@ void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t di
             }
         }
     }
+}
+
+void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
+                const float *table, const int64_t *positions, int threads) {
+    RotaryJob job = {x, table, positions, x_stride, n, heads, dim,
+                     row_parts(n, n * heads * dim, threads)};
+    run_tasks(job.parts, threads, rotary_rows, &job);
 }
 
 /* k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i]; rows of `row` floats, token strides given;
@@ -78,12 +105,24 @@ void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_st
 }
 
 /* out[i] = silu(x[i, :inter]) * x[i, inter:], x [n, 2 * inter] contiguous, out [n, inter]. */
-void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads) {
-    #pragma omp parallel for num_threads(threads) if (threads > 1 && n * inter >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float *gate = x + i * 2 * inter, *up = gate + inter;
-        float *o = out + i * inter;
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t n, inter, parts;
+} SiluJob;
+
+static void silu_rows(void *arg, int64_t part) {
+    const SiluJob *j = arg;
+    const int64_t inter = j->inter;
+    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++) {
+        const float *gate = j->x + i * 2 * inter, *up = gate + inter;
+        float *o = j->out + i * inter;
         #pragma omp simd
         for (int64_t d = 0; d < inter; d++) o[d] = gate[d] / (1.0f + exp_any(-gate[d])) * up[d];
     }
+}
+
+void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads) {
+    SiluJob job = {x, out, n, inter, row_parts(n, n * inter, threads)};
+    run_tasks(job.parts, threads, silu_rows, &job);
 }

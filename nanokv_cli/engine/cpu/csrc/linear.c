@@ -61,51 +61,73 @@ static void rows4_f32(const Linear *L, int64_t o, const float *x, float out[4]) 
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
+typedef struct {
+    const Linear *L;
+    const float *x;
+    float *y;
+    int64_t x_stride, y_stride, n;
+} F32Job;
+
+/* Outputs 4t..4t+3 for every row. */
+static void f32_tile(void *arg, int64_t t) {
+    const F32Job *j = arg;
+    const Linear *L = j->L;
+    const int64_t o = 4 * t, width = L->out - o < 4 ? L->out - o : 4, n = j->n;
+    const float *x = j->x;
+    float *y = j->y;
+    if (width == 4) {
+        for (int64_t i = 0; i < n; i++) {
+            float sums[4];
+            rows4_f32(L, o, x + i * j->x_stride, sums);
+            for (int r = 0; r < 4; r++) y[i * j->y_stride + o + r] = sums[r];
+        }
+    } else { /* the last rows of a layer whose size is not a multiple of 4 */
+        for (int64_t r = 0; r < width; r++) {
+            const float *w = (const float *)L->weight + (o + r) * L->in;
+            for (int64_t i = 0; i < n; i++) {
+                float sum = 0.0f;
+                for (int64_t d = 0; d < L->in; d++) sum += w[d] * x[i * j->x_stride + d];
+                y[i * j->y_stride + o + r] = sum;
+            }
+        }
+    }
+    if (L->bias != NULL)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0; r < width; r++) y[i * j->y_stride + o + r] += L->bias[o + r];
+}
+
 /* y [n, out] (row stride y_stride) = x [n, in] (row stride x_stride) W^T + b. Packed kinds need
    in % 32 == 0. Returns nonzero if out of memory. */
 int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
                int64_t y_stride, int exact_inputs, int threads) {
     if (L->kind == LINEAR_Q4P) return q4p_linear(L, x, x_stride, n, y, y_stride, exact_inputs, threads);
     if (L->kind == LINEAR_Q8P) return q8p_linear(L, x, x_stride, n, y, y_stride, threads);
+    F32Job job = {L, x, y, x_stride, y_stride, n};
     const int64_t tiles = (L->out + 3) / 4;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles >= 32)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t o = 4 * t, width = L->out - o < 4 ? L->out - o : 4;
-        if (width == 4) {
-            for (int64_t i = 0; i < n; i++) {
-                float sums[4];
-                rows4_f32(L, o, x + i * x_stride, sums);
-                for (int r = 0; r < 4; r++) y[i * y_stride + o + r] = sums[r];
-            }
-        } else { /* the last rows of a layer whose size is not a multiple of 4 */
-            for (int64_t r = 0; r < width; r++) {
-                const float *w = (const float *)L->weight + (o + r) * L->in;
-                for (int64_t i = 0; i < n; i++) {
-                    float sum = 0.0f;
-                    for (int64_t d = 0; d < L->in; d++) sum += w[d] * x[i * x_stride + d];
-                    y[i * y_stride + o + r] = sum;
-                }
-            }
-        }
-        if (L->bias != NULL)
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t r = 0; r < width; r++) y[i * y_stride + o + r] += L->bias[o + r];
-    }
+    run_tasks(tiles, tiles >= 32 ? threads : 1, f32_tile, &job);
     return 0;
+}
+
+typedef struct {
+    const Linear *L;
+    const int64_t *rows;
+    float *out;
+    int64_t n, parts;
+} RowsJob;
+
+static void dequantize_part(void *arg, int64_t part) {
+    const RowsJob *j = arg;
+    const Linear *L = j->L;
+    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++) {
+        float *out = j->out + i * L->in;
+        if (L->kind == LINEAR_Q4P) q4p_dequantize_row(L, j->rows[i], out);
+        else if (L->kind == LINEAR_Q8P) q8p_dequantize_row(L, j->rows[i], out);
+        else memcpy(out, (const float *)L->weight + j->rows[i] * L->in, sizeof(float) * (size_t)L->in);
+    }
 }
 
 /* out[i] = W[rows[i]] as float32 (an embedding lookup, or a slice for a dense GEMM). */
 void dequantize_rows_f32(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads) {
-    if (L->kind == LINEAR_Q4P) {
-        q4p_dequantize_rows(L, rows, n, out, threads);
-        return;
-    }
-    if (L->kind == LINEAR_Q8P) {
-        q8p_dequantize_rows(L, rows, n, out, threads);
-        return;
-    }
-    const int64_t in = L->in;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
-    for (int64_t i = 0; i < n; i++)
-        memcpy(out + i * in, (const float *)L->weight + rows[i] * in, sizeof(float) * (size_t)in);
+    RowsJob job = {L, rows, out, n, row_parts(n, n * L->in, threads)};
+    run_tasks(job.parts, threads, dequantize_part, &job);
 }

@@ -52,50 +52,75 @@ int round_block_i16(const float *x, int16_t *q, float *d) {
     return total;
 }
 
-static void panel_tile_out(const PanelFormat *f, const Linear *L, const char *q, const float *d,
-                           int64_t p, int64_t t, int64_t n, float *y, int64_t y_stride) {
+typedef struct {
+    const PanelFormat *f;
+    const Linear *L;
+    const float *x;
+    float *y;
+    char *q;
+    float *d;
+    int64_t x_stride, y_stride, n, parts;
+    int64_t tiles, panels, tile_chunk, panel_chunk, row_chunks;
+} PanelJob;
+
+static void round_rows(void *arg, int64_t part) {
+    const PanelJob *j = arg;
+    const PanelFormat *f = j->f;
+    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++)
+        f->round_row(j->x + i * j->x_stride, j->L->in, j->q + i * f->row_bytes, j->d + i * f->row_scales);
+}
+
+/* Rows t * PANEL_TILE_ROWS.. (one tile) times panel p: y's 16 outputs there, plus the bias. */
+static void panel_tile_out(const PanelJob *j, int64_t p, int64_t t) {
+    const PanelFormat *f = j->f;
+    const Linear *L = j->L;
     const int64_t blocks = L->in / QBLOCK, o = p * 16, i0 = t * PANEL_TILE_ROWS;
     const int64_t width = L->out - o < 16 ? L->out - o : 16;
-    const int rows = (int)(n - i0 < PANEL_TILE_ROWS ? n - i0 : PANEL_TILE_ROWS);
+    const int rows = (int)(j->n - i0 < PANEL_TILE_ROWS ? j->n - i0 : PANEL_TILE_ROWS);
     float sums[PANEL_TILE_ROWS * 16] __attribute__((aligned(32))) = {0};
-    f->tile(q + i0 * f->row_bytes, f->row_bytes, d + i0 * f->row_scales, f->row_scales,
+    f->tile(j->q + i0 * f->row_bytes, f->row_bytes, j->d + i0 * f->row_scales, f->row_scales,
             (const uint8_t *)L->weight + p * blocks * f->record_bytes, blocks, rows, sums);
     for (int r = 0; r < rows; r++)
         for (int64_t c = 0; c < width; c++)
-            y[(i0 + r) * y_stride + o + c] = sums[r * 16 + c] + (L->bias != NULL ? L->bias[o + c] : 0.0f);
+            j->y[(i0 + r) * j->y_stride + o + c] = sums[r * 16 + c] + (L->bias != NULL ? L->bias[o + c] : 0.0f);
+}
+
+/* One work item: a chunk of row tiles against a chunk of panels. */
+static void panel_item(void *arg, int64_t item) {
+    const PanelJob *j = arg;
+    const int64_t p0 = item / j->row_chunks * j->panel_chunk, t0 = item % j->row_chunks * j->tile_chunk;
+    const int64_t p1 = p0 + j->panel_chunk < j->panels ? p0 + j->panel_chunk : j->panels;
+    const int64_t t1 = t0 + j->tile_chunk < j->tiles ? t0 + j->tile_chunk : j->tiles;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t p = p0; p < p1; p++) panel_tile_out(j, p, t);
 }
 
 int panel_linear(const PanelFormat *f, const Linear *L, const float *x, int64_t x_stride,
                  int64_t n, float *y, int64_t y_stride, int threads) {
     if (n <= 0) return 0;
     const int64_t in = L->in;
-    char *q = malloc((size_t)(n * f->row_bytes));
-    float *d = malloc(sizeof(float) * (size_t)(n * f->row_scales));
-    if (q == NULL || d == NULL) {
-        free(q);
-        free(d);
+    PanelJob j = {f, L, x, y, malloc((size_t)(n * f->row_bytes)),
+                  malloc(sizeof(float) * (size_t)(n * f->row_scales)), x_stride, y_stride, n,
+                  row_parts(n, n * in, threads)};
+    if (j.q == NULL || j.d == NULL) {
+        free(j.q);
+        free(j.d);
         return 1;
     }
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
-    for (int64_t i = 0; i < n; i++) f->round_row(x + i * x_stride, in, q + i * f->row_bytes, d + i * f->row_scales);
-    const int64_t tiles = (n + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS, panels = (L->out + 15) / 16;
+    run_tasks(j.parts, threads, round_rows, &j);
+    j.tiles = (n + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+    j.panels = (L->out + 15) / 16;
     const int64_t panel_bytes = in / QBLOCK * f->record_bytes;
-    int64_t tile_chunk = PANEL_X_CHUNK / (PANEL_TILE_ROWS * f->row_bytes), panel_chunk = PANEL_W_CHUNK / panel_bytes;
-    tile_chunk = tile_chunk < 1 ? 1 : tile_chunk;
-    const int64_t row_chunks = (tiles + tile_chunk - 1) / tile_chunk;
-    const int64_t balanced = row_chunks * panels / (4 * (int64_t)threads);
-    panel_chunk = panel_chunk > balanced ? balanced : panel_chunk;
-    panel_chunk = panel_chunk < 1 ? 1 : panel_chunk;
-    const int64_t items = row_chunks * ((panels + panel_chunk - 1) / panel_chunk);
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && items > 1 && n * L->out * in >= PANEL_PARALLEL_WORK)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t p0 = item / row_chunks * panel_chunk, t0 = item % row_chunks * tile_chunk;
-        const int64_t p1 = p0 + panel_chunk < panels ? p0 + panel_chunk : panels;
-        const int64_t t1 = t0 + tile_chunk < tiles ? t0 + tile_chunk : tiles;
-        for (int64_t t = t0; t < t1; t++)
-            for (int64_t p = p0; p < p1; p++) panel_tile_out(f, L, q, d, p, t, n, y, y_stride);
-    }
-    free(q);
-    free(d);
+    j.tile_chunk = PANEL_X_CHUNK / (PANEL_TILE_ROWS * f->row_bytes);
+    j.tile_chunk = j.tile_chunk < 1 ? 1 : j.tile_chunk;
+    j.row_chunks = (j.tiles + j.tile_chunk - 1) / j.tile_chunk;
+    const int64_t balanced = j.row_chunks * j.panels / (4 * (int64_t)threads);
+    j.panel_chunk = PANEL_W_CHUNK / panel_bytes;
+    j.panel_chunk = j.panel_chunk > balanced ? balanced : j.panel_chunk;
+    j.panel_chunk = j.panel_chunk < 1 ? 1 : j.panel_chunk;
+    const int64_t items = j.row_chunks * ((j.panels + j.panel_chunk - 1) / j.panel_chunk);
+    run_tasks(items, n * L->out * in >= PANEL_PARALLEL_WORK ? threads : 1, panel_item, &j);
+    free(j.q);
+    free(j.d);
     return 0;
 }

@@ -46,27 +46,38 @@ int64_t q4p_bytes(int64_t out, int64_t in) { return (out + 15) / 16 * (in / QBLO
 
 /* nibbles [out][in / 2] in GGUF order (byte j of a 32-block holds elements j and j + 16), scale
    and zero float16 [out][in / 32] -> packed (q4p_bytes); outputs past `out` are zero. */
-void q4p_pack(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero, int64_t out,
-              int64_t in, uint8_t *packed, int threads) {
-    const int64_t blocks = in / QBLOCK, panels = (out + 15) / 16;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels >= 8)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *rec = packed + (p * blocks + b) * Q4P_RECORD;
-            uint16_t *rec_scale = (uint16_t *)(rec + Q4P_SCALES), *rec_zero = (uint16_t *)(rec + Q4P_ZEROS);
-            memset(rec, 0, Q4P_SCALES);
-            for (int c = 0; c < 16; c++) {
-                const int64_t o = p * 16 + c;
-                rec_scale[c] = o < out ? scale[o * blocks + b] : 0;
-                rec_zero[c] = o < out ? zero[o * blocks + b] : 0;
-                if (o >= out) continue;
-                const uint8_t *src = nibbles + o * (in / 2) + b * (QBLOCK / 2);
-                for (int k = 0; k < QBLOCK; k++) {
-                    const int q = k < 16 ? src[k] & 15 : src[k - 16] >> 4;
-                    rec[(k / 4) * 32 + (c % 8) * 4 + k % 4] |= (uint8_t)(c < 8 ? q : q << 4);
-                }
+typedef struct {
+    const uint8_t *nibbles;
+    const uint16_t *scale, *zero;
+    int64_t out, in;
+    uint8_t *packed;
+} Q4PackJob;
+
+static void q4p_pack_panel(void *arg, int64_t p) {
+    const Q4PackJob *j = arg;
+    const int64_t in = j->in, blocks = in / QBLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        uint8_t *rec = j->packed + (p * blocks + b) * Q4P_RECORD;
+        uint16_t *rec_scale = (uint16_t *)(rec + Q4P_SCALES), *rec_zero = (uint16_t *)(rec + Q4P_ZEROS);
+        memset(rec, 0, Q4P_SCALES);
+        for (int c = 0; c < 16; c++) {
+            const int64_t o = p * 16 + c;
+            rec_scale[c] = o < j->out ? j->scale[o * blocks + b] : 0;
+            rec_zero[c] = o < j->out ? j->zero[o * blocks + b] : 0;
+            if (o >= j->out) continue;
+            const uint8_t *src = j->nibbles + o * (in / 2) + b * (QBLOCK / 2);
+            for (int k = 0; k < QBLOCK; k++) {
+                const int q = k < 16 ? src[k] & 15 : src[k - 16] >> 4;
+                rec[(k / 4) * 32 + (c % 8) * 4 + k % 4] |= (uint8_t)(c < 8 ? q : q << 4);
             }
         }
+    }
+}
+
+void q4p_pack(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero, int64_t out,
+              int64_t in, uint8_t *packed, int threads) {
+    Q4PackJob job = {nibbles, scale, zero, out, in, packed};
+    run_tasks((out + 15) / 16, threads, q4p_pack_panel, &job);
 }
 
 /* q of output c (0..15) at input k (0..31) of a record. */
@@ -75,20 +86,15 @@ static inline int q4p_weight(const uint8_t *rec, int c, int k) {
     return c < 8 ? byte & 15 : byte >> 4;
 }
 
-/* out[i] = W[rows[i]] as float32: scale * q + zero, the weights the kernels multiply. */
-void q4p_dequantize_rows(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads) {
-    const int64_t in = L->in, blocks = in / QBLOCK;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t p = rows[i] / 16;
-        const int c = (int)(rows[i] % 16);
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *rec = (const uint8_t *)L->weight + (p * blocks + b) * Q4P_RECORD;
-            const float scale = half_to_float(((const uint16_t *)(rec + Q4P_SCALES))[c]);
-            const float zero = half_to_float(((const uint16_t *)(rec + Q4P_ZEROS))[c]);
-            for (int k = 0; k < QBLOCK; k++)
-                out[i * in + b * QBLOCK + k] = scale * (float)q4p_weight(rec, c, k) + zero;
-        }
+/* out = W[row] as float32: scale * q + zero, the weights the kernels multiply. */
+void q4p_dequantize_row(const Linear *L, int64_t row, float *out) {
+    const int64_t blocks = L->in / QBLOCK, p = row / 16;
+    const int c = (int)(row % 16);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = (const uint8_t *)L->weight + (p * blocks + b) * Q4P_RECORD;
+        const float scale = half_to_float(((const uint16_t *)(rec + Q4P_SCALES))[c]);
+        const float zero = half_to_float(((const uint16_t *)(rec + Q4P_ZEROS))[c]);
+        for (int k = 0; k < QBLOCK; k++) out[b * QBLOCK + k] = scale * (float)q4p_weight(rec, c, k) + zero;
     }
 }
 

@@ -34,36 +34,42 @@ int64_t q8p_bytes(int64_t out, int64_t in) { return (out + 15) / 16 * (in / QBLO
 
 /* q int8 [out][in], scale float16 [out][in / 32] -> packed (q8p_bytes); outputs past `out` are
    zero. */
-void q8p_pack(const int8_t *q, const uint16_t *scale, int64_t out, int64_t in, uint8_t *packed,
-              int threads) {
-    const int64_t blocks = in / QBLOCK, panels = (out + 15) / 16;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels >= 8)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *rec = packed + (p * blocks + b) * Q8P_RECORD;
-            uint16_t *rec_scale = (uint16_t *)(rec + Q8P_SCALES);
-            for (int c = 0; c < 16; c++) {
-                const int64_t o = p * 16 + c;
-                rec_scale[c] = o < out ? scale[o * blocks + b] : 0;
-                for (int k = 0; k < QBLOCK; k++)
-                    rec[(k / 2) * 32 + c * 2 + k % 2] = o < out ? (uint8_t)q[o * in + b * QBLOCK + k] : 0;
-            }
+typedef struct {
+    const int8_t *q;
+    const uint16_t *scale;
+    int64_t out, in;
+    uint8_t *packed;
+} Q8PackJob;
+
+static void q8p_pack_panel(void *arg, int64_t p) {
+    const Q8PackJob *j = arg;
+    const int64_t in = j->in, blocks = in / QBLOCK;
+    for (int64_t b = 0; b < blocks; b++) {
+        uint8_t *rec = j->packed + (p * blocks + b) * Q8P_RECORD;
+        uint16_t *rec_scale = (uint16_t *)(rec + Q8P_SCALES);
+        for (int c = 0; c < 16; c++) {
+            const int64_t o = p * 16 + c;
+            rec_scale[c] = o < j->out ? j->scale[o * blocks + b] : 0;
+            for (int k = 0; k < QBLOCK; k++)
+                rec[(k / 2) * 32 + c * 2 + k % 2] = o < j->out ? (uint8_t)j->q[o * in + b * QBLOCK + k] : 0;
         }
+    }
 }
 
-/* out[i] = W[rows[i]] as float32: scale * q, the weights the kernels multiply. */
-void q8p_dequantize_rows(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads) {
-    const int64_t in = L->in, blocks = in / QBLOCK;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * in >= 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t p = rows[i] / 16;
-        const int c = (int)(rows[i] % 16);
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *rec = (const uint8_t *)L->weight + (p * blocks + b) * Q8P_RECORD;
-            const float scale = half_to_float(((const uint16_t *)(rec + Q8P_SCALES))[c]);
-            for (int k = 0; k < QBLOCK; k++)
-                out[i * in + b * QBLOCK + k] = scale * (float)(int8_t)rec[(k / 2) * 32 + c * 2 + k % 2];
-        }
+void q8p_pack(const int8_t *q, const uint16_t *scale, int64_t out, int64_t in, uint8_t *packed,
+              int threads) {
+    Q8PackJob job = {q, scale, out, in, packed};
+    run_tasks((out + 15) / 16, threads, q8p_pack_panel, &job);
+}
+
+/* out = W[row] as float32: scale * q, the weights the kernels multiply. */
+void q8p_dequantize_row(const Linear *L, int64_t row, float *out) {
+    const int64_t blocks = L->in / QBLOCK, p = row / 16;
+    const int c = (int)(row % 16);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *rec = (const uint8_t *)L->weight + (p * blocks + b) * Q8P_RECORD;
+        const float scale = half_to_float(((const uint16_t *)(rec + Q8P_SCALES))[c]);
+        for (int k = 0; k < QBLOCK; k++) out[b * QBLOCK + k] = scale * (float)(int8_t)rec[(k / 2) * 32 + c * 2 + k % 2];
     }
 }
 

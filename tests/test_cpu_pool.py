@@ -1,0 +1,98 @@
+"""The CPU kernels' thread pool (``cpu/csrc/pool.c``): results do not depend on how many
+threads run, on which of them claims which item, on a second caller running at the same time,
+or on the process having been forked after the pool started."""
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+from nanokv_cli.engine.cpu import kernels
+from nanokv_cli.engine.cpu.kernels import LINEAR_Q4P, LINEAR_Q8P
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
+
+
+def packed_layer(kind: int, out_features: int = 1000, in_features: int = 576):
+    g = torch.Generator().manual_seed(kind)
+    scale = (0.001 + 0.02 * torch.rand(out_features, in_features // 32, generator=g)).half()
+    if kind == LINEAR_Q4P:
+        nibbles = torch.randint(0, 256, (out_features, in_features // 2), generator=g)
+        zero = (-0.3 * torch.rand(out_features, in_features // 32, generator=g)).half()
+        packed = kernels.pack_q4(nibbles.to(torch.uint8), scale, zero)
+    else:
+        q = torch.randint(-128, 128, (out_features, in_features), generator=g).to(torch.int8)
+        packed = kernels.pack_q8(q, scale)
+    spec = kernels.linear_spec(kind, packed, in_features, out_features=out_features)
+    return spec, packed
+
+
+def with_threads(count: int, fn):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("kind", [LINEAR_Q4P, LINEAR_Q8P], ids=["q4p", "q8p"])
+def test_any_thread_count_gives_the_same_bits(kind):
+    spec, _packed = packed_layer(kind)
+    x = torch.randn(37, 576, generator=torch.Generator().manual_seed(3))
+    one = with_threads(1, lambda: kernels.linear(spec, x))
+    for count in (2, 3, 8):  # more threads than this machine has cores, too
+        assert torch.equal(with_threads(count, lambda: kernels.linear(spec, x)), one)
+
+
+def test_concurrent_callers_each_get_their_own_result():
+    # ctypes lets both Python threads into the kernels at once: one job runs on the pool, the
+    # other on its own thread, and neither may see the other's items.
+    layers = [packed_layer(LINEAR_Q4P), packed_layer(LINEAR_Q8P, 700)]
+    g = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(n, 576, generator=g) for n in (1, 7, 64)]
+    expected = [[with_threads(1, lambda s=s, x=x: kernels.linear(s, x)) for x in inputs]
+                for s, _ in layers]
+    failures = []
+    start = threading.Barrier(len(layers))
+
+    def caller(index: int) -> None:
+        torch.set_num_threads(2)
+        spec = layers[index][0]
+        start.wait()
+        for _ in range(200):
+            for x, want in zip(inputs, expected[index]):
+                if not torch.equal(kernels.linear(spec, x), want):
+                    failures.append(index)
+                    return
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(layers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a caller never returned"
+    assert failures == []
+
+
+def _child(spec, x, queue) -> None:
+    # no torch parallel op here: torch's own OpenMP pool is not fork-safe
+    torch.set_num_threads(2)
+    queue.put(kernels.linear(spec, x).numpy().tobytes())  # plain bytes: no shared memory
+
+
+def test_a_forked_child_gets_the_same_result_on_a_pool_of_its_own():
+    spec, packed = packed_layer(LINEAR_Q4P)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(5))
+    # the parent's helpers exist (they run this product) and are not copied into the child
+    expected = with_threads(2, lambda: kernels.linear(spec, x))
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(spec, x, queue))
+    child.start()
+    result = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert result == expected.numpy().tobytes()
+    del packed
