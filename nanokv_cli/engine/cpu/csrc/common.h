@@ -92,15 +92,11 @@ static inline float exp_any(float x) { return exp_clamped(x > 88.0f ? 88.0f : x)
 typedef void (*task_fn)(void *ctx, int64_t item);
 void run_tasks(int64_t items, int threads, task_fn fn, void *ctx);
 
-/* Row loops split into parts: one (the caller alone) below ~64k elements of work, where a job
-   costs more than it saves; else four per thread, so that a thread held up by another process
-   delays only a part. Part p covers rows [ROWS_BEGIN(p), ROWS_BEGIN(p + 1)). */
-static inline int64_t row_parts(int64_t rows, int64_t work, int threads) {
-    if (rows <= 0) return 0;
-    if (threads <= 1 || work < 65536) return 1;
-    return 4 * (int64_t)threads < rows ? 4 * (int64_t)threads : rows;
-}
-#define ROWS_BEGIN(rows, parts, part) ((rows) * (part) / (parts))
+/* Row loops (pool.c): fn(ctx, begin, end) over ranges that cover rows [0, rows). One range (the
+   caller alone) below ~64k elements of work, where a job costs more than it saves; else four
+   per thread, so that a thread held up by another process delays only a part. */
+typedef void (*rows_fn)(void *ctx, int64_t begin, int64_t end);
+void run_rows(int64_t rows, int64_t work, int threads, rows_fn fn, void *ctx);
 
 /* Entry points one kernel file calls in another (the one-call decoder composes them). */
 int cache_half_supported(void);

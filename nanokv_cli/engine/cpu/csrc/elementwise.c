@@ -9,21 +9,17 @@ int cache_half_supported(void) {
 #endif
 }
 
-/* RMSNorm over rows of dim, optionally after a residual add:
-   with residual: residual[r] += x[r], out[r] = norm(residual[r]) * w; else out[r] = norm(x[r]) * w.
-   Rows are addressed as [outer, inner, dim] (inner = heads for per-head norms, else 1);
-   out may be x. Sum of squares in float32, as torch's mean. */
 typedef struct {
     const float *x, *w;
     float *residual, *out;
-    int64_t x_stride, residual_stride, out_stride, rows, inner, dim, parts;
+    int64_t x_stride, residual_stride, out_stride, inner, dim;
     float eps;
 } NormJob;
 
-static void norm_rows(void *arg, int64_t part) {
+static void norm_rows(void *arg, int64_t begin, int64_t end) {
     const NormJob *j = arg;
     const int64_t dim = j->dim, inner = j->inner;
-    for (int64_t r = ROWS_BEGIN(j->rows, j->parts, part); r < ROWS_BEGIN(j->rows, j->parts, part + 1); r++) {
+    for (int64_t r = begin; r < end; r++) {
         const float *xr = ROW(j->x, r, inner, j->x_stride, dim);
         float *orow = ROW(j->out, r, inner, j->out_stride, dim);
         const float *src = xr;
@@ -42,27 +38,28 @@ static void norm_rows(void *arg, int64_t part) {
     }
 }
 
+/* RMSNorm over rows of dim, optionally after a residual add:
+   with residual: residual[r] += x[r], out[r] = norm(residual[r]) * w; else out[r] = norm(x[r]) * w.
+   Rows are addressed as [outer, inner, dim] (inner = heads for per-head norms, else 1);
+   out may be x. Sum of squares in float32, as torch's mean. */
 void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
                   const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,
                   float *out, int64_t out_stride, int threads) {
-    NormJob job = {x, w, residual, out, x_stride, residual_stride, out_stride, rows, inner, dim,
-                   row_parts(rows, rows * dim, threads), eps};
-    run_tasks(job.parts, threads, norm_rows, &job);
+    NormJob job = {x, w, residual, out, x_stride, residual_stride, out_stride, inner, dim, eps};
+    run_rows(rows, rows * dim, threads, norm_rows, &job);
 }
 
-/* Rotary embedding in place on x [n, heads, dim] (token stride x_stride, heads contiguous),
-   half-split layout: table[pos] = [cos duplicated | sin with the first half negated]. */
 typedef struct {
     float *x;
     const float *table;
     const int64_t *positions;
-    int64_t x_stride, n, heads, dim, parts;
+    int64_t x_stride, heads, dim;
 } RotaryJob;
 
-static void rotary_rows(void *arg, int64_t part) {
+static void rotary_rows(void *arg, int64_t begin, int64_t end) {
     const RotaryJob *j = arg;
     const int64_t dim = j->dim, half = dim / 2;
-    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++) {
+    for (int64_t i = begin; i < end; i++) {
         const float *cs = j->table + j->positions[i] * 2 * dim, *sn = cs + dim;
         for (int64_t h = 0; h < j->heads; h++) {
             float *v = j->x + i * j->x_stride + h * dim;
@@ -76,11 +73,12 @@ static void rotary_rows(void *arg, int64_t part) {
     }
 }
 
+/* Rotary embedding in place on x [n, heads, dim] (token stride x_stride, heads contiguous),
+   half-split layout: table[pos] = [cos duplicated | sin with the first half negated]. */
 void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
                 const float *table, const int64_t *positions, int threads) {
-    RotaryJob job = {x, table, positions, x_stride, n, heads, dim,
-                     row_parts(n, n * heads * dim, threads)};
-    run_tasks(job.parts, threads, rotary_rows, &job);
+    RotaryJob job = {x, table, positions, x_stride, heads, dim};
+    run_rows(n, n * heads * dim, threads, rotary_rows, &job);
 }
 
 /* k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i]; rows of `row` floats, token strides given;
@@ -104,17 +102,16 @@ void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_st
     }
 }
 
-/* out[i] = silu(x[i, :inter]) * x[i, inter:], x [n, 2 * inter] contiguous, out [n, inter]. */
 typedef struct {
     const float *x;
     float *out;
-    int64_t n, inter, parts;
+    int64_t inter;
 } SiluJob;
 
-static void silu_rows(void *arg, int64_t part) {
+static void silu_rows(void *arg, int64_t begin, int64_t end) {
     const SiluJob *j = arg;
     const int64_t inter = j->inter;
-    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++) {
+    for (int64_t i = begin; i < end; i++) {
         const float *gate = j->x + i * 2 * inter, *up = gate + inter;
         float *o = j->out + i * inter;
         #pragma omp simd
@@ -122,7 +119,8 @@ static void silu_rows(void *arg, int64_t part) {
     }
 }
 
+/* out[i] = silu(x[i, :inter]) * x[i, inter:], x [n, 2 * inter] contiguous, out [n, inter]. */
 void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads) {
-    SiluJob job = {x, out, n, inter, row_parts(n, n * inter, threads)};
-    run_tasks(job.parts, threads, silu_rows, &job);
+    SiluJob job = {x, out, inter};
+    run_rows(n, n * inter, threads, silu_rows, &job);
 }

@@ -112,13 +112,12 @@ typedef struct {
     const Linear *L;
     const int64_t *rows;
     float *out;
-    int64_t n, parts;
-} RowsJob;
+} DequantizeJob;
 
-static void dequantize_part(void *arg, int64_t part) {
-    const RowsJob *j = arg;
+static void dequantize_part(void *arg, int64_t begin, int64_t end) {
+    const DequantizeJob *j = arg;
     const Linear *L = j->L;
-    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++) {
+    for (int64_t i = begin; i < end; i++) {
         float *out = j->out + i * L->in;
         if (L->kind == LINEAR_Q4P) q4p_dequantize_row(L, j->rows[i], out);
         else if (L->kind == LINEAR_Q8P) q8p_dequantize_row(L, j->rows[i], out);
@@ -128,6 +127,6 @@ static void dequantize_part(void *arg, int64_t part) {
 
 /* out[i] = W[rows[i]] as float32 (an embedding lookup, or a slice for a dense GEMM). */
 void dequantize_rows_f32(const Linear *L, const int64_t *rows, int64_t n, float *out, int threads) {
-    RowsJob job = {L, rows, out, n, row_parts(n, n * L->in, threads)};
-    run_tasks(job.parts, threads, dequantize_part, &job);
+    DequantizeJob job = {L, rows, out};
+    run_rows(n, n * L->in, threads, dequantize_part, &job);
 }

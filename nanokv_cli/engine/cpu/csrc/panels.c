@@ -59,14 +59,14 @@ typedef struct {
     float *y;
     char *q;
     float *d;
-    int64_t x_stride, y_stride, n, parts;
+    int64_t x_stride, y_stride, n;
     int64_t tiles, panels, tile_chunk, panel_chunk, row_chunks;
 } PanelJob;
 
-static void round_rows(void *arg, int64_t part) {
+static void round_rows(void *arg, int64_t begin, int64_t end) {
     const PanelJob *j = arg;
     const PanelFormat *f = j->f;
-    for (int64_t i = ROWS_BEGIN(j->n, j->parts, part); i < ROWS_BEGIN(j->n, j->parts, part + 1); i++)
+    for (int64_t i = begin; i < end; i++)
         f->round_row(j->x + i * j->x_stride, j->L->in, j->q + i * f->row_bytes, j->d + i * f->row_scales);
 }
 
@@ -100,14 +100,13 @@ int panel_linear(const PanelFormat *f, const Linear *L, const float *x, int64_t 
     if (n <= 0) return 0;
     const int64_t in = L->in;
     PanelJob j = {f, L, x, y, malloc((size_t)(n * f->row_bytes)),
-                  malloc(sizeof(float) * (size_t)(n * f->row_scales)), x_stride, y_stride, n,
-                  row_parts(n, n * in, threads)};
+                  malloc(sizeof(float) * (size_t)(n * f->row_scales)), x_stride, y_stride, n};
     if (j.q == NULL || j.d == NULL) {
         free(j.q);
         free(j.d);
         return 1;
     }
-    run_tasks(j.parts, threads, round_rows, &j);
+    run_rows(n, n * in, threads, round_rows, &j);
     j.tiles = (n + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
     j.panels = (L->out + 15) / 16;
     const int64_t panel_bytes = in / QBLOCK * f->record_bytes;

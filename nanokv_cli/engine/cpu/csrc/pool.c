@@ -170,3 +170,24 @@ void run_tasks(int64_t items, int threads, task_fn fn, void *ctx) {
     }
     pthread_mutex_unlock(&pool.caller);
 }
+
+typedef struct {
+    rows_fn fn;
+    void *ctx;
+    int64_t rows, parts;
+} RowsJob;
+
+static void rows_part(void *arg, int64_t part) {
+    const RowsJob *j = arg;
+    j->fn(j->ctx, j->rows * part / j->parts, j->rows * (part + 1) / j->parts);
+}
+
+void run_rows(int64_t rows, int64_t work, int threads, rows_fn fn, void *ctx) {
+    if (rows <= 0) return;
+    if (threads <= 1 || work < 65536 || rows == 1) {
+        fn(ctx, 0, rows);
+        return;
+    }
+    RowsJob job = {fn, ctx, rows, 4 * (int64_t)threads < rows ? 4 * (int64_t)threads : rows};
+    run_tasks(job.parts, threads, rows_part, &job);
+}
