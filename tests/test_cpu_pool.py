@@ -8,6 +8,8 @@ import threading
 import pytest
 import torch
 
+from test_cpu_formats import Layer
+
 from nanokv_cli.engine.cpu import kernels
 from nanokv_cli.engine.cpu.kernels import LINEAR_Q4P, LINEAR_Q8P
 
@@ -15,17 +17,9 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 
 
 def packed_layer(kind: int, out_features: int = 1000, in_features: int = 576):
-    g = torch.Generator().manual_seed(kind)
-    scale = (0.001 + 0.02 * torch.rand(out_features, in_features // 32, generator=g)).half()
-    if kind == LINEAR_Q4P:
-        nibbles = torch.randint(0, 256, (out_features, in_features // 2), generator=g)
-        zero = (-0.3 * torch.rand(out_features, in_features // 32, generator=g)).half()
-        packed = kernels.pack_q4(nibbles.to(torch.uint8), scale, zero)
-    else:
-        q = torch.randint(-128, 128, (out_features, in_features), generator=g).to(torch.int8)
-        packed = kernels.pack_q8(q, scale)
-    spec = kernels.linear_spec(kind, packed, in_features, out_features=out_features)
-    return spec, packed
+    """A random packed layer of test_cpu_formats (its C spec, and the layer that owns the bytes)."""
+    layer = Layer(kind, out_features, in_features, seed=kind)
+    return layer.spec(), layer
 
 
 def with_threads(count: int, fn):
