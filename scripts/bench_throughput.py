@@ -99,6 +99,11 @@ def parse_args() -> argparse.Namespace:
     args.modes = parse_modes(p, args.modes or ("none" if cuda else "auto,none"), args.device)
     default_dtypes = args.dtype if cuda or args.dtype != "auto" else "float32,bfloat16"
     args.hf_dtypes = [d.strip() for d in (args.hf_dtypes or default_dtypes).split(",")]
+    for name in args.hf_dtypes:
+        try:
+            resolve_dtype_name(name, args.device)
+        except ValueError as e:
+            p.error(f"--hf-dtypes: {e}")
     return args
 
 
