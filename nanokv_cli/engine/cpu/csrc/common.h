@@ -44,6 +44,12 @@ static inline __attribute__((always_inline)) __m256 cache_load8(const void *base
     return _mm256_loadu_ps((const float *)base + index);
 }
 #endif
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) __m512 cache_load16(const void *base, int64_t index, int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index)));
+    return _mm512_loadu_ps((const float *)base + index);
+}
+#endif
 
 
 #ifdef __AVX2__
