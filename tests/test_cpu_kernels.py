@@ -18,7 +18,7 @@ from tiny_models import make_tiny_model
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.cpu import build
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
-from nanokv_cli.engine.cpu.formats import RowPackedLinear
+from nanokv_cli.engine.cpu.formats import F32_FUSED_MAX_ROWS, FloatLinear
 from nanokv_cli.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from nanokv_cli.engine.model_runner import ModelRunner
 from nanokv_cli.engine.sampling_params import SamplingParams
@@ -208,17 +208,24 @@ def test_kernels_can_be_switched_off(monkeypatch):
     assert cpu_kernels._library.__wrapped__() is None
 
 
-@pytest.mark.skipif(not RowPackedLinear.available(), reason="torch built without MKL")
-def test_packed_weight_serves_single_rows_only():
+@pytest.mark.skipif(not FloatLinear.can_pack_rows(), reason="torch built without MKL")
+def test_float_layer_takes_the_c_gemv_for_few_rows_and_mkl_for_one():
     g = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(1024, 96, generator=g), torch.randn(1024, generator=g)
-    layer = RowPackedLinear(weight, bias)
-    one = torch.randn(1, 96, generator=g)
-    many = torch.randn(3, 96, generator=g)
-    torch.testing.assert_close(layer(one), F.linear(one, weight, bias))
-    assert torch.equal(layer(many), F.linear(many, weight, bias))
-    assert RowPackedLinear.worth_packing(weight)
-    assert not RowPackedLinear.worth_packing(weight.t().contiguous())  # narrow output: slower
+    layer, plain = FloatLinear(weight, bias, packed_row=True), FloatLinear(weight, bias)
+    assert layer.packed is not None and plain.packed is None
+    for rows in (1, 3, F32_FUSED_MAX_ROWS, F32_FUSED_MAX_ROWS + 1):
+        x = torch.randn(rows, 96, generator=g)
+        expected = F.linear(x, weight, bias)
+        for m in (layer, plain):
+            if rows > F32_FUSED_MAX_ROWS:
+                assert torch.equal(m(x), expected)
+            else:
+                torch.testing.assert_close(m(x), expected, atol=1e-5, rtol=1e-5)
+        if 1 < rows <= F32_FUSED_MAX_ROWS:  # the C GEMV, whether or not a 1-row copy exists
+            assert torch.equal(layer(x), cpu_kernels.linear(layer.spec, x))
+    assert FloatLinear.worth_packing(weight)
+    assert not FloatLinear.worth_packing(weight.t().contiguous())  # narrow output: slower
 
 
 # -- the runner with and without its fast paths -------------------------------------------------
@@ -258,7 +265,7 @@ def without_fast_paths(monkeypatch):
     layers ask ``kernels.runs`` at each call, so the switch holds while it is on)."""
     with monkeypatch.context() as m:
         m.setenv("NANOKV_CPU_KERNELS", "0")
-        m.setattr(RowPackedLinear, "available", staticmethod(lambda: False))
+        m.setattr(FloatLinear, "can_pack_rows", staticmethod(lambda: False))
         cpu_kernels._library.cache_clear()
         try:
             yield
@@ -269,7 +276,7 @@ def without_fast_paths(monkeypatch):
 def test_runner_fast_paths_agree_with_the_torch_paths(qwen3, monkeypatch):
     config, weights = qwen3
     # Pack the LM head, so the 1-row packed path runs in the decode steps below.
-    monkeypatch.setattr(RowPackedLinear, "worth_packing", staticmethod(lambda w: True))
+    monkeypatch.setattr(FloatLinear, "worth_packing", staticmethod(lambda w: True))
 
     def make():
         settings = EngineConfig(
@@ -279,19 +286,19 @@ def test_runner_fast_paths_agree_with_the_torch_paths(qwen3, monkeypatch):
 
     fast = make()
     assert fast.use_cpu_kernel and fast.packed_weight_bytes > 0
-    assert isinstance(fast.model.lm_head, RowPackedLinear)
+    assert isinstance(fast.model.lm_head, FloatLinear) and fast.model.lm_head.packed is not None
     prompts = [[(i * 7 + j * 3) % 250 + 3 for i in range(n)] for j, n in enumerate((1, 19, 40))]
     for batch in (prompts, prompts[1:2]):  # a batch, and one sequence (1-row matmuls)
         fast_tokens, fast_logits = greedy_run(fast, batch, 6)
         with without_fast_paths(monkeypatch):
             slow = make()
-            assert not slow.use_cpu_kernel and slow.cpu_decoder is None
+            assert not slow.use_cpu_kernel and slow.fused_max_rows == 0
             slow_tokens, slow_logits = greedy_run(slow, batch, 6)
         assert fast_tokens == slow_tokens
         torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=0)
 
 
-# -- the whole-decoder C step -------------------------------------------------------------------
+# -- recorded decode steps ----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -307,33 +314,47 @@ def tiny_archs(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # None: float32 weights
-def test_decode_step_in_one_call_matches_the_layer_by_layer_path(
+def test_replayed_decode_steps_compute_what_the_layers_compute(
     tiny_archs, arch, quantization, monkeypatch
 ):
     config, weights = tiny_archs[arch]
-    calls = []
-    real = cpu_kernels.decode_step
-    monkeypatch.setattr(cpu_kernels, "decode_step", lambda *a: calls.append(1) or real(*a))
+    replays = []
+    real = cpu_kernels.StepProgram.run
+    monkeypatch.setattr(
+        cpu_kernels.StepProgram, "run", lambda *a: replays.append(1) or real(*a)
+    )
 
-    def make(fused: bool) -> ModelRunner:
+    def make(recorded: bool) -> ModelRunner:
         settings = EngineConfig(
             block_size=8, num_blocks=64, dtype="float32", device="cpu", quantization=quantization
         )
         runner = ModelRunner(config, weights, settings)
-        assert runner.cpu_decoder is not None and runner.fused_max_rows >= 16
-        if not fused:
-            runner.cpu_decoder = None
+        assert runner.fused_max_rows >= 16
+        if not recorded:
+            runner.fused_max_rows = 0
         return runner
 
-    # Contexts crossing block edges; 1, 3 and 5 sequences (the kernels' row tiles of 1-4).
+    # Contexts crossing block edges (so a table widens, and its program is recorded anew);
+    # 1, 3 and 5 sequences (the kernels' row tiles of 1-4).
     prompts = [
         [(i * 5 + j * 11) % 250 + 3 for i in range(n)] for j, n in enumerate((1, 9, 30, 17, 8))
     ]
     for batch in (prompts[2:3], prompts[:3], prompts):
-        calls.clear()
-        fused_tokens, fused_logits = greedy_run(make(True), batch, 5)
-        assert len(calls) == 4  # every step after the prefill
-        layered_tokens, layered_logits = greedy_run(make(False), batch, 5)
-        assert fused_tokens == layered_tokens
-        # Same kernels, same order of operations per row: equal up to summation order.
-        torch.testing.assert_close(fused_logits, layered_logits, atol=1e-4, rtol=1e-4)
+        replays.clear()
+        runner = make(True)
+        recorded_tokens, recorded_logits = greedy_run(runner, batch, 6)
+        # 5 decode steps: each table width's first step records, the others replay.
+        assert len(replays) + len(runner.programs) == 5 and replays
+        layered_tokens, layered_logits = greedy_run(make(False), batch, 6)
+        assert recorded_tokens == layered_tokens
+        # The same kernel calls on the same inputs: the same bits.
+        assert torch.equal(recorded_logits, layered_logits)
+
+
+def test_a_step_program_places_tensors_whose_lives_overlap_apart():
+    # op 0 writes a, op 1 reads a and writes b, op 2 reads b: a and b overlap at op 1; c
+    # (written at op 2) may reuse a's place.
+    lives = {1: [0, 1, 100], 2: [1, 2, 64], 3: [2, 3, 128]}
+    offsets, size = cpu_kernels._plan(lives)
+    assert offsets[1] == 0 and offsets[2] >= 128 and offsets[3] == 0
+    assert size == max(offsets[2] + 64, 128)

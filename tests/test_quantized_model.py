@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 from nanokv_cli import LLM, SamplingParams
 from nanokv_cli.cli import app
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
-from nanokv_cli.engine.cpu.formats import Q4, Q8, PackedEmbedding, PackedLinear
+from nanokv_cli.engine.cpu.formats import Q4, Q8, FloatLinear, PackedEmbedding, PackedLinear
 from nanokv_cli.engine.cpu.quantize import (
     check_quantization,
     parse_quantization,
@@ -150,7 +150,7 @@ def test_auto_is_the_default_and_holds_the_file_once(auto_llm, int4_llm):
     assert auto_llm.quantization == "auto"
     runner = auto_llm.model_runner
     model = runner.model
-    assert runner.cpu_decoder is not None  # decode steps: one C call
+    assert runner.fused_max_rows == float("inf")  # decode steps: one C program, any size
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     projections = [m for m in packed if m is not model.lm_head]
     assert len(projections) == 4 * len(model.model.layers)
@@ -220,25 +220,25 @@ def decode_rows(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def test_auto_decode_batches_round_as_single_tokens_do(monkeypatch):
-    # A decode step of 16 rows runs the whole decoder in one C call on the same blocks, with
-    # a single token's arithmetic, and about as close to float32. Measured mean KL ~1.1e-3.
+    # A decode step of 16 rows runs the whole decoder as one recorded C program on the same
+    # blocks, with a single token's arithmetic, and about as close to float32. Measured mean
+    # KL ~1.1e-3.
     auto, reference = (LLM(num_blocks=40, block_size=16, quantization=q) for q in ("auto", "none"))
     ids = auto.encode(TEXT)
     prompts = [ids[:n] for n in range(17, 33)]
     expected = decode_rows(reference, prompts)
-    calls = []
-    real = cpu_kernels.decode_step
-    monkeypatch.setattr(cpu_kernels, "decode_step", lambda *a: calls.append(len(a[1])) or real(*a))
-    logits = decode_rows(auto, prompts)
-    assert calls == [16]
+    runner, steps = auto.model_runner, []
+    real = runner._run_program
+    monkeypatch.setattr(runner, "_run_program", lambda *a: steps.append(len(a[1])) or real(*a))
+    logits = decode_rows(auto, prompts)  # recorded from the layers, as it runs
+    assert steps == [16] and len(runner.programs) == 1
     assert mean_kl(expected, logits) < AUTO_DECODE_BATCH_MAX_KL
-    # One sequence's decode step computes its row of the batch bit for bit (one layout for
-    # every row count), and the layers called from Python compute the same step.
+    # Replayed, the step computes the layers' bits; one sequence's step computes its row of
+    # the batch bit for bit (one layout for every row count).
+    assert torch.equal(decode_rows(auto, prompts), logits)
     alone = decode_rows(auto, prompts[5:6])
     assert torch.equal(alone[0], logits[5])
-    monkeypatch.setattr(auto.model_runner, "cpu_decoder", None)
-    torch.testing.assert_close(decode_rows(auto, prompts), logits, atol=1e-4, rtol=0)
-    assert calls == [16, 1]
+    assert steps == [16, 16, 1] and len(runner.programs) == 2
 
 
 def test_int4_default_model_still_knows_paris(int4_llm):
@@ -343,7 +343,7 @@ def test_tiny_model_quantized_at_load_stays_close(tiny_folders, key):
         assert len(out[0]["token_ids"]) == 5
         modules = list(llm.model_runner.model.modules())
         quantized = [m for m in modules if isinstance(m, PackedLinear)]
-        floats = [m for m in modules if isinstance(m, LinearBase)]
+        floats = [m for m in modules if isinstance(m, (LinearBase, FloatLinear))]
         vocab = llm.model_runner.config.vocab_size
         # The LM head and embedding table are q8 in both modes.
         fmt = {"int8": Q8, "int4": Q4}[mode]
@@ -354,7 +354,7 @@ def test_tiny_model_quantized_at_load_stays_close(tiny_folders, key):
         assert all(m.weight.shape[1] % 32 for m in floats)
         if key == "llama-tied-odd-mlp":
             mlp = llm.model_runner.model.model.layers[0].mlp
-            assert isinstance(mlp.down_proj, LinearBase) and mlp.gate_up_proj.format is fmt
+            assert isinstance(mlp.down_proj, FloatLinear) and mlp.gate_up_proj.format is fmt
         else:
             assert not floats
 
@@ -398,7 +398,7 @@ def test_without_the_c_kernels_quantization_is_refused_and_auto_is_none(monkeypa
                 LLM("/no/such/model", quantization="int4")
             assert check_quantization("auto", "cpu") is None
             llm = LLM(kv_cache_memory=64 << 20)  # the default GGUF, default quantization
-            assert llm.quantization is None and llm.model_runner.cpu_decoder is None
+            assert llm.quantization is None and llm.model_runner.fused_max_rows == 0
         finally:
             cpu_kernels._library.cache_clear()
 

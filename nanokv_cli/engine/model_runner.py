@@ -10,8 +10,9 @@ logits only at each sequence's last scheduled position.
 On CPU in float32 the C kernels of ``cpu/`` serve (benchmark notes in
 ``scripts/BENCHMARKS.md``): paged decode attention, fused norms, rotary, K/V stores, silu * mul,
 the packed weight formats of ``cpu/formats.py``, and the whole decoder in one call for decode
-steps. Each step gets a ``StepPlan`` saying which path it takes and how precisely the packed
-layers round their inputs; wide float32 layers get MKL's 1-row packing (``_pack_weights``).
+steps (the kernel calls of the torch layers, recorded on the first step of as many rows and
+replayed). Each step gets a ``StepPlan`` saying which path it takes and how precisely the packed
+layers round their inputs; float32 layers become ``FloatLinear`` (``_pack_weights``).
 """
 
 import ctypes
@@ -26,7 +27,8 @@ from .config import EngineConfig, ModelConfig
 from .cpu import kernels as cpu_kernels
 from .cpu.formats import (
     MAX_ROW_PACKED_BYTES,
-    RowPackedLinear,
+    MAX_STEP_PROGRAMS,
+    FloatLinear,
     fused_decode_max_rows,
 )
 from .cpu.quantize import check_quantization, pack_model
@@ -185,7 +187,8 @@ class StepPlan:
     """How one step runs, chosen by the runner from what the step holds and passed down: no
     layer keeps a flag of its own."""
 
-    # Single-token rows only, on the CPU kernels: the whole decoder in one C call.
+    # Single-token rows only, on the CPU kernels: the whole decoder in one C call (a recorded
+    # step program, replayed).
     fused_decoder: bool
     # Prompt chunks of 2+ tokens: packed projections round their inputs to 16 bits, because a
     # prompt's K/V feed every later token (cpu/formats.py); decode rows round to the format's.
@@ -279,13 +282,22 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None
         self.num_blocks = self._resolve_num_blocks()
         self.kv_cache = self._allocate_kv_cache()
-        # Decode steps run the whole decoder in one C call (cpu/csrc/decoder.c): ~10 ms less
-        # Python per step for SmolLM2's 30 layers, and 12-18% faster than layer by layer at
-        # 17-64 rows (scripts/BENCHMARKS.md), as far as the projections' formats allow.
-        self.cpu_decoder = self.model.cpu_decoder() if self.fused_decode else None
-        self.fused_max_rows = fused_decode_max_rows(
-            [m for layer in self.model.model.layers for m in _projections(layer)]
+        # Decode steps replay the kernel calls recorded on the first step of as many rows (one
+        # C call, cpu/kernels.py StepProgram): ~10 ms less Python per step for SmolLM2's 30
+        # layers, and 12-18% faster than layer by layer at 17-64 rows (scripts/BENCHMARKS.md),
+        # as far as the projections' formats allow.
+        self.fused_max_rows = (
+            fused_decode_max_rows([m for la in self.model.model.layers for m in _projections(la)])
+            if self.fused_decode
+            else 0
         )
+        self.programs: dict[tuple[int, int], cpu_kernels.StepProgram] = {}
+        self._program_arena = torch.empty(0, dtype=torch.uint8)
+        self._persistent = {
+            t.untyped_storage().data_ptr()
+            for t in [*self.model.parameters(), *self.model.buffers(), self.kv_cache]
+            if t.layout == torch.strided  # not MKL's packed copies, which the kernels never see
+        }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.use_cuda_graph:
             self._capture_cuda_graphs()
@@ -299,26 +311,29 @@ class ModelRunner:
         return dev
 
     def _pack_weights(self) -> int:
-        """Give wide float32 layers MKL's packed copy for 1-row inputs (``RowPackedLinear``);
-        bytes added. Where the one-call C decoder runs, only the LM head: the decoder reads
-        the projections itself."""
-        if self.tp_size != 1 or not RowPackedLinear.available():
+        """Float32 layers become ``FloatLinear``: the C GEMV for a few rows where the kernels
+        run (so a recorded decode step covers them), and for wide layers MKL's packed copy for
+        1-row inputs; bytes added. Where decode steps are recorded, only the LM head gets the
+        copy: the projections' 1-row products must be C calls to be replayed."""
+        if self.tp_size != 1 or self.dtype != torch.float32:
             return 0
         added = 0
         for path, module in list(self.model.named_modules()):
             if not isinstance(module, (LinearBase, ParallelLMHead)):
                 continue
-            if not RowPackedLinear.worth_packing(module.weight):
+            weight = module.weight
+            packed_row = (
+                FloatLinear.can_pack_rows()
+                and FloatLinear.worth_packing(weight)
+                and not (self.fused_decode and isinstance(module, LinearBase))
+                and added + weight.nbytes <= MAX_ROW_PACKED_BYTES
+            )
+            if not (packed_row or self.fused_decode):
                 continue
-            if self.fused_decode and isinstance(module, LinearBase):
-                continue
-            size = module.weight.numel() * module.weight.element_size()
-            if added + size > MAX_ROW_PACKED_BYTES:
-                break
             parent, _, name = path.rpartition(".")
             bias = module.bias if isinstance(module, LinearBase) else None
-            setattr(self.model.get_submodule(parent), name, RowPackedLinear(module.weight, bias))
-            added += size
+            setattr(self.model.get_submodule(parent), name, FloatLinear(weight, bias, packed_row))
+            added += weight.nbytes if packed_row else 0
         return added
 
     @property
@@ -455,22 +470,31 @@ class ModelRunner:
         self.sampler.forget(seq_id)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
-        paged = batch.meta.paged_decode
         if batch.plan.fused_decoder:
-            hidden = self.model.model.embed_tokens(batch.input_ids).contiguous()
-            return cpu_kernels.decode_step(
-                self.cpu_decoder,
-                hidden,
-                batch.positions,
-                batch.meta.slot_mapping,
-                paged.block_tables,
-                paged.context_lens,
-            )
+            return self._run_program(batch, self.model.model.embed_tokens(batch.input_ids))
         flash = batch.meta.flash
         if self.graphs and flash is not None and flash.decode_only:
             if len(batch.input_ids) <= self.graph_sizes[-1]:
                 return self._replay(batch)  # pragma: no cover - GPU
         return self.model(batch.input_ids, batch.positions, batch.meta)
+
+    def _run_program(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """A decode step: the step program of its row count and table width, recorded from the
+        torch forward the first time (that step runs it as it records it), replayed after."""
+        meta, paged = batch.meta, batch.meta.paged_decode
+        inputs = (hidden, batch.positions, meta.slot_mapping, paged.block_tables, paged.context_lens)
+        key = tuple(paged.block_tables.shape)
+        program = self.programs.get(key)
+        if program is None:
+            with cpu_kernels.recording() as tape:
+                out = self.model.model.decode(hidden, batch.positions, meta)
+            if len(self.programs) == MAX_STEP_PROGRAMS:  # the oldest goes (~80 KB each)
+                del self.programs[next(iter(self.programs))]
+            self.programs[key] = cpu_kernels.StepProgram(tape, inputs, out, self._persistent)
+            return out
+        if self._program_arena.nbytes < program.arena_bytes:
+            self._program_arena = torch.empty(program.arena_bytes, dtype=torch.uint8)
+        return program.run(self._program_arena, inputs)
 
     def _prepare(self, seqs: list[Sequence]) -> StepBatch:
         singles = [i for i, s in enumerate(seqs) if s.num_scheduled_tokens == 1]
@@ -510,9 +534,7 @@ class ModelRunner:
             rows.append(start - 1)
 
         plan = StepPlan(
-            fused_decoder=self.cpu_decoder is not None
-            and not chunks
-            and len(ordered) <= self.fused_max_rows,
+            fused_decoder=not chunks and len(ordered) <= self.fused_max_rows,
             exact_inputs=bool(chunks),
         )
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), exact_inputs=plan.exact_inputs)
@@ -520,7 +542,7 @@ class ModelRunner:
         if self.use_flash:  # pragma: no cover - GPU
             meta.flash = self._flash_metadata(ordered, contexts, num_singles)
         elif self.use_cpu_kernel:
-            meta.paged_decode = self._paged_decode(ordered, contexts)
+            meta.paged_decode = self._paged_decode(ordered, contexts, plan.fused_decoder)
         else:
             meta.decode_groups = self._decode_groups(ordered[:num_singles], contexts)
             meta.prefills = [self._prefill_chunk(s, first, ctx) for s, first, ctx in chunks]
@@ -557,7 +579,9 @@ class ModelRunner:
         table = torch.tensor(block_table[: _cdiv(length, self.block_size)], dtype=torch.long)
         return (table.unsqueeze(1) * self.block_size + self._offsets).view(-1)[:length]
 
-    def _paged_decode(self, seqs: list[Sequence], contexts: list[int]) -> PagedDecode:
+    def _paged_decode(
+        self, seqs: list[Sequence], contexts: list[int], recorded: bool = False
+    ) -> PagedDecode:
         """Every row of a CPU step for the C attention kernel, which reads K/V in place.
 
         A prefill chunk's row i is a query whose context ends at its own position: its K/V
@@ -572,6 +596,8 @@ class ModelRunner:
             lengths += range(context - n + 1, context + 1)
             owners += [i] * n
         width = _cdiv(max(contexts), self.block_size)
+        if recorded:  # a power of two, so that a few step programs serve every context length
+            width = 1 << (width - 1).bit_length()
         tables = torch.tensor([_padded(s.block_table, width) for s in seqs], dtype=torch.long)
         if len(owners) > len(seqs):
             tables = tables[torch.tensor(owners)]

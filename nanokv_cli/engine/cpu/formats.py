@@ -242,52 +242,58 @@ def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 # -- float32 layers ----------------------------------------------------------------------------
 
-# A decode step whose projections are all float32 runs as one C call (``kernels.decode_step``)
-# up to this many rows: the C GEMV beats MKL's GEMM up to ~16 rows (30 SmolLM2 layers, 1
-# thread: 4 rows 17-24 vs 31-34 ms, 16 rows 53-75 vs 59-80 ms). Packed formats have no limit:
-# their 6-row tiles are the batched path.
+# The C GEMV beats MKL's GEMM on float32 weights up to ~16 rows (30 SmolLM2 layers, 1 thread: 4
+# rows 17-24 vs 31-34 ms, 16 rows 53-75 vs 59-80 ms; the LM head at 4 rows, 2 threads, 6.9 vs
+# 17.9 ms), so a decode step of up to this many rows over float32 projections is a recorded
+# step too. Packed formats have no limit: their 6-row tiles are the batched path.
 F32_FUSED_MAX_ROWS = 16
-# At most this many bytes of MKL-packed float32 copies (see RowPackedLinear).
+# At most this many bytes of MKL-packed float32 copies (FloatLinear's packed_row).
 MAX_ROW_PACKED_BYTES = 1 << 30
+# Recorded decode steps kept (one per row count and table width seen, ~80 KB each for SmolLM2).
+MAX_STEP_PROGRAMS = 64
 
 
 def fused_decode_max_rows(projections: Sequence[nn.Module]) -> float:
-    """Rows up to which the one-call decoder serves a decode step over these projections."""
+    """Rows up to which a decode step over these projections is recorded and replayed."""
     if all(isinstance(m, PackedLinear) for m in projections):
         return float("inf")
     return F32_FUSED_MAX_ROWS
 
 
-class RowPackedLinear(nn.Module):
-    """A wide float32 layer with MKL's packed copy for 1-row inputs (single-sequence decode).
+class FloatLinear(nn.Module):
+    """A float32 layer on the CPU: the C GEMV up to ``F32_FUSED_MAX_ROWS`` rows, where it beats
+    MKL's GEMM (and a recorded step can replay it), ``F.linear`` beyond.
 
-    MKL's packed GEMM (the op torch.compile's CPU backend uses) streams wide matrices ~1.5-2x
-    faster than F.linear at batch 1 (AVX2, 1-2 threads): an LM head 49152x576 8.0 -> 4.4 ms,
-    gate/up 3072x576 0.52 -> 0.34 ms; but o 576x576 +25% and down 576x1536 2x slower, hence
-    ``worth_packing``. The copy costs the weight's bytes again. ``weight`` stays shared (a tied
-    LM head is the token embedding).
+    ``packed_row``: also keep MKL's packed copy for 1-row inputs (the op torch.compile's CPU
+    backend uses), which streams a wide matrix faster than the C GEMV at one row (an LM head
+    49152x576, 1 thread: 5.5 vs 9.3 ms) at the cost of the weight's bytes again; worth it only
+    for wide layers outside the recorded steps (``worth_packing``: the LM head). ``weight``
+    stays shared (a tied LM head is the token embedding).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed_row: bool = False
+    ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 1))
+        self.spec = kernels.linear_spec(kernels.LINEAR_F32, weight, weight.shape[1], bias=bias)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 1) if packed_row else None
+        self.register_buffer("packed", packed)
 
     @staticmethod
-    def available() -> bool:
+    def can_pack_rows() -> bool:
         return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
     @staticmethod
     def worth_packing(weight: torch.Tensor) -> bool:
+        # MKL's 1-row packing is 1.5-2x faster on wide matrices (LM head, gate/up) but slower on
+        # square and narrow ones (o +25%, down 2x; AVX2, 1-2 threads).
         out_features, in_features = weight.shape
-        return (
-            weight.dtype == torch.float32
-            and weight.device.type == "cpu"
-            and out_features >= 1.5 * in_features
-            and out_features >= 512
-        )
+        return out_features >= 1.5 * in_features and out_features >= 512
 
     def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
+        if x.dim() == 2 and x.shape[0] == 1 and self.packed is not None:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
+        if x.dim() == 2 and x.shape[0] <= F32_FUSED_MAX_ROWS and kernels.runs(x):
+            return kernels.linear(self.spec, x)
         return torch.nn.functional.linear(x, self.weight, self.bias)

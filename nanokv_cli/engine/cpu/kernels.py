@@ -9,12 +9,14 @@ Why leave PyTorch on the CPU:
   the query heads that share it (GQA), a chunk of rows ahead, accumulating in float32.
 * Per-op overhead. A single sequence's decode step is ~30 layers of tiny tensors, where each
   torch op costs microseconds of dispatch. Fused here: residual add + RMSNorm, rotary in place,
-  the K/V store, silu(gate) * up; and ``decode_step`` runs a whole decoder for a step of a few
-  single-token rows in one call (~10 ms less Python per SmolLM2 step).
+  the K/V store, silu(gate) * up; and a decode step replays, in one C call, the kernel calls the
+  torch layers made on the first step of as many rows (``StepProgram``: ~10 ms less Python per
+  SmolLM2 step).
 * Quantized weights. ``linear`` multiplies GGUF's blocks (Q4_0/Q4_1, Q8_0) in the packed
   formats (``formats.py``, packed by ``pack_q4`` / ``pack_q8``) by inputs rounded to int8 or int16 per 32 values, with integer
   multiply-adds in tiles blocked for L1/L2, one layout for every row count (``formats.py``
-  holds the layers). Float32 weights go through the same entry point for ``decode_step``.
+  holds the layers). Float32 weights go through the same entry point for a few rows
+  (``formats.FloatLinear``).
 * A float16 KV cache (``auto``, CPUs with F16C): the store rounds K/V to float16 and the
   attention kernel converts them back as it reads, halving a decode step's cache traffic.
 
@@ -33,6 +35,10 @@ caller stays on its torch path and quantization is unavailable.
 from __future__ import annotations
 
 import ctypes
+import struct
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 
 import torch
@@ -58,39 +64,6 @@ class LinearSpec(ctypes.Structure):
     ]
 
 
-class DecoderLayerSpec(ctypes.Structure):
-    _fields_ = [
-        ("qkv", LinearSpec),
-        ("o", LinearSpec),
-        ("gate_up", LinearSpec),
-        ("down", LinearSpec),
-        ("input_norm", _ptr),
-        ("post_norm", _ptr),
-        ("q_norm", _ptr),
-        ("k_norm", _ptr),
-        ("k_cache", _ptr),
-        ("v_cache", _ptr),
-    ]
-
-
-class DecoderSpec(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", _i64),
-        ("hidden", _i64),
-        ("heads", _i64),
-        ("kv_heads", _i64),
-        ("head_dim", _i64),
-        ("intermediate", _i64),
-        ("block_size", _i64),
-        ("eps", _f32),
-        ("scale", _f32),
-        ("rope", _ptr),
-        ("final_norm", _ptr),
-        ("layers", ctypes.POINTER(DecoderLayerSpec)),
-        ("cache_half", _i64),
-    ]
-
-
 _SIGNATURES = {
     "paged_decode_f32": (
         [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr]
@@ -111,10 +84,7 @@ _SIGNATURES = {
     "q4p_pack": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
     "q8p_bytes": ([_i64, _i64], _i64),
     "q8p_pack": ([_ptr, _ptr, _i64, _i64, _ptr, _int], None),
-    "decode_step_f32": (
-        [ctypes.POINTER(DecoderSpec), _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int],
-        _int,
-    ),
+    "run_program": ([_ptr, _i64, _ptr, _int], _int),
 }
 
 
@@ -162,13 +132,14 @@ def paged_decode(
     """
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    failed = _library().paged_decode_f32(
-        q.data_ptr(),
+    failed = _call(
+        "paged_decode_f32",
+        q,
         q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        context_lens.data_ptr(),
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
         n,
         block_tables.shape[1],
         heads,
@@ -176,10 +147,10 @@ def paged_decode(
         dim,
         block_size,
         scale,
-        out.data_ptr(),
+        out,
         out.stride(0),
         _is_half(k_cache),
-        torch.get_num_threads(),
+        _Threads(),
     )
     if failed:
         raise MemoryError("the CPU attention kernel could not allocate its score buffer")
@@ -202,19 +173,20 @@ def rms_norm(
         out = torch.empty(x.shape, dtype=x.dtype)
     dim = x.shape[-1]
     inner = x.shape[1] if x.dim() == 3 else 1
-    _library().rms_norm_f32(
-        x.data_ptr(),
+    _call(
+        "rms_norm_f32",
+        x,
         x.stride(0),
-        None if residual is None else residual.data_ptr(),
+        residual,
         0 if residual is None else residual.stride(0),
-        weight.data_ptr(),
+        weight,
         x.shape[0] * inner,
         inner,
         dim,
         eps,
-        out.data_ptr(),
+        out,
         out.stride(0),
-        torch.get_num_threads(),
+        _Threads(),
     )
     return out
 
@@ -223,16 +195,7 @@ def rotary_(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> to
     """Rotate x [n, heads, dim] (heads and dim packed) in place; ``table`` [positions, 2, dim]
     holds cos duplicated and sin with its first half negated; ``positions`` int64 [n]."""
     n, heads, dim = x.shape
-    _library().rotary_f32(
-        x.data_ptr(),
-        x.stride(0),
-        n,
-        heads,
-        dim,
-        table.data_ptr(),
-        positions.data_ptr(),
-        torch.get_num_threads(),
-    )
+    _call("rotary_f32", x, x.stride(0), n, heads, dim, table, positions, _Threads())
     return x
 
 
@@ -247,16 +210,17 @@ def store_kv(
     dim packed (token rows may be strided); caches contiguous, float32 or float16 (rounded to
     nearest; see ``half_cache_supported``)."""
     n, kv_heads, dim = k.shape
-    _library().store_kv_f32(
-        k.data_ptr(),
+    _call(
+        "store_kv_f32",
+        k,
         k.stride(0),
-        v.data_ptr(),
+        v,
         v.stride(0),
-        slots.data_ptr(),
+        slots,
         n,
         kv_heads * dim,
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
+        k_cache,
+        v_cache,
         _is_half(k_cache),
     )
 
@@ -265,7 +229,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :h]) * x[:, h:] for a contiguous [n, 2h] x."""
     n, width = x.shape
     out = torch.empty(n, width // 2, dtype=x.dtype)
-    _library().silu_mul_f32(x.data_ptr(), n, width // 2, out.data_ptr(), torch.get_num_threads())
+    _call("silu_mul_f32", x, n, width // 2, out, _Threads())
     return out
 
 
@@ -308,15 +272,16 @@ def linear(
     n = x.shape[0]
     if out is None:
         out = torch.empty(n, spec.out, dtype=torch.float32)
-    failed = _library().linear_f32(
-        ctypes.byref(spec),
-        x.data_ptr(),
+    failed = _call(
+        "linear_f32",
+        spec,
+        x,
         x.stride(0),
         n,
-        out.data_ptr(),
+        out,
         out.stride(0),
         int(exact_inputs),
-        torch.get_num_threads(),
+        _Threads(),
     )
     if failed:
         raise MemoryError("the CPU linear kernel could not allocate its input buffer")
@@ -391,30 +356,162 @@ def _check_blocks(
         )
 
 
-def decode_step(
-    spec: DecoderSpec,
-    hidden: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> torch.Tensor:
-    """A whole decoder over one token per row, in place: ``hidden`` [n, hidden] float32 holds the
-    embeddings in and the final normed hidden states out. Index tensors are contiguous int64."""
-    failed = _library().decode_step_f32(
-        ctypes.byref(spec),
-        hidden.data_ptr(),
-        hidden.shape[0],
-        positions.data_ptr(),
-        slots.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.shape[1],
-        context_lens.data_ptr(),
-        torch.get_num_threads(),
+# -- recorded steps ----------------------------------------------------------------------------
+#
+# A decode step is ~300 kernel calls (SmolLM2's 30 layers), each a few microseconds of Python and
+# ctypes around microseconds of arithmetic. As CUDA graphs do on the GPU, the runner records the
+# calls the torch forward makes for a step of n rows once, and later steps of n rows replay them
+# in one C call (csrc/program.c): the torch model stays the only description of the decoder.
+
+# Kernels a recorded step may call, in csrc/program.c's order.
+_PROGRAM_KERNELS = (
+    "rms_norm_f32", "rotary_f32", "store_kv_f32", "paged_decode_f32", "silu_mul_f32", "linear_f32"
+)
+_PROGRAM_ARGS = 17  # the most any of them takes
+_FIXED, _THREADS = -1, -2  # ProgramOp bases that are not addresses
+
+
+class ProgramOp(ctypes.Structure):
+    """One recorded call: argument i is ``value[i]`` where ``base[i] == _FIXED`` (a number, a
+    float as its float32 bits, or a pointer into the model or the cache), the replay's thread
+    count where ``base[i] == _THREADS``, else the address ``bases[base[i]] + value[i]`` (the
+    step's arena, or one of its inputs)."""
+
+    _fields_ = [
+        ("kernel", _i64),
+        ("base", _i64 * _PROGRAM_ARGS),
+        ("value", _i64 * _PROGRAM_ARGS),
+    ]
+
+
+# The calls made inside ``recording()``: context-local, like torch's grad mode, so a recording
+# holds exactly the calls of its own ``with`` block on its own thread.
+_TAPE: ContextVar[list | None] = ContextVar("nanokv_cpu_tape", default=None)
+
+
+class _Threads(int):
+    """The kernels' thread count, ``torch.get_num_threads()`` at each call: a replayed step
+    reads it anew too."""
+
+    def __new__(cls) -> _Threads:
+        return super().__new__(cls, torch.get_num_threads())
+
+
+def _call(name: str, *args):
+    """C function ``name`` on ``args``, tensors passed as their data pointers; recorded too
+    inside ``recording()``."""
+    tape = _TAPE.get()
+    if tape is not None:
+        tape.append((name, args))
+    return getattr(_library(), name)(
+        *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     )
-    if failed:
-        raise MemoryError("the CPU decode step could not allocate its buffers")
-    return hidden
+
+
+@contextmanager
+def recording() -> Iterator[list]:
+    """Record the kernel calls made inside the block (they also run) for ``StepProgram``."""
+    tape: list = []
+    token = _TAPE.set(tape)
+    try:
+        yield tape
+    finally:
+        _TAPE.reset(token)
+
+
+class StepProgram:
+    """A recorded step, replayed by one C call on new inputs of the same shapes.
+
+    ``inputs``: the tensors the step reads that change from step to step (embeddings, positions,
+    slots, block tables, context lengths). ``persistent``: storage addresses that outlive the
+    program (weights, the KV cache). Every other tensor the calls touch was made during the
+    step: it gets a place in one arena, shared with the tensors whose lifetimes do not overlap
+    its own, and ``output`` is read from there after a replay.
+    """
+
+    def __init__(
+        self,
+        tape: list,
+        inputs: Sequence[torch.Tensor],
+        output: torch.Tensor,
+        persistent: set[int],
+    ) -> None:
+        inputs_at = {t.untyped_storage().data_ptr(): (i, t) for i, t in enumerate(inputs)}
+        self.shapes = [t.shape for t in inputs]
+        lives: dict[int, list[int]] = {}  # arena tensor storage -> [first op, last op, bytes]
+        for i, (_, args) in enumerate(tape):
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    key = a.untyped_storage().data_ptr()
+                    if key not in persistent and key not in inputs_at:
+                        life = lives.setdefault(key, [i, i, a.untyped_storage().nbytes()])
+                        life[1] = i
+        out_key = output.untyped_storage().data_ptr()
+        if out_key not in lives:
+            raise ValueError("the step's output was not written by a recorded kernel")
+        lives[out_key][1] = len(tape)
+        offsets, self.arena_bytes = _plan(lives)
+        self.ops = (ProgramOp * len(tape))()
+        for op, (name, args) in zip(self.ops, tape):
+            if name not in _PROGRAM_KERNELS:
+                raise ValueError(f"{name} cannot be replayed")
+            op.kernel = _PROGRAM_KERNELS.index(name)
+            for j, a in enumerate(args):
+                op.base[j], op.value[j] = _encode(a, inputs_at, offsets)
+        self.output = (offsets[out_key] + output.data_ptr() - out_key, output.dtype, output.shape)
+
+    def run(self, arena: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Replay on ``inputs`` (shaped as the recorded ones, contiguous) with ``arena`` (at
+        least ``arena_bytes``); the output is a view of the arena."""
+        if [t.shape for t in inputs] != self.shapes or arena.nbytes < self.arena_bytes:
+            raise ValueError("a step program replays only on inputs shaped as recorded")
+        bases = (ctypes.c_void_p * (1 + len(inputs)))(
+            arena.data_ptr(), *(t.data_ptr() for t in inputs)
+        )
+        if _library().run_program(self.ops, len(self.ops), bases, torch.get_num_threads()):
+            raise MemoryError("a CPU kernel of the replayed step could not allocate its buffers")
+        offset, dtype, shape = self.output
+        return arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+
+
+def _encode(a, inputs_at: dict, offsets: dict[int, int]) -> tuple[int, int]:
+    """A recorded argument as (base, value) (see ProgramOp): an input (base 1 + i), an arena
+    tensor (base 0), else fixed."""
+    if isinstance(a, _Threads):
+        return _THREADS, 0
+    if isinstance(a, torch.Tensor):
+        key = a.untyped_storage().data_ptr()
+        if key in inputs_at:
+            i, t = inputs_at[key]
+            return 1 + i, a.data_ptr() - t.data_ptr()
+        if key in offsets:
+            return 0, offsets[key] + a.data_ptr() - key
+        return _FIXED, a.data_ptr()
+    if isinstance(a, float):
+        return _FIXED, int.from_bytes(struct.pack("<f", a), "little", signed=True)
+    if isinstance(a, ctypes.Structure):
+        return _FIXED, ctypes.addressof(a)
+    return _FIXED, 0 if a is None else int(a)
+
+
+def _plan(lives: dict[int, list[int]]) -> tuple[dict[int, int], int]:
+    """Arena offsets (64-byte aligned) for tensors live from op first to op last: in order of
+    first use, each at the lowest offset that overlaps no tensor still live."""
+    offsets: dict[int, int] = {}
+    live: list[tuple[int, int, int]] = []  # (offset, end, last op)
+    size_needed = 0
+    for key, (first, last, size) in sorted(lives.items(), key=lambda kv: kv[1][0]):
+        size = (size + 63) // 64 * 64
+        live = sorted(p for p in live if p[2] >= first)
+        offset = 0
+        for o, e, _ in live:
+            if offset + size <= o:
+                break
+            offset = max(offset, e)
+        offsets[key] = offset
+        live.append((offset, offset + size, last))
+        size_needed = max(size_needed, offset + size)
+    return offsets, size_needed
 
 
 @cache

@@ -88,8 +88,7 @@ class DecoderMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, exact_inputs)
-        # One row: torch's 3 ops beat a C call.
-        if gate_up.shape[0] > 1 and cpu_kernels.runs(gate_up):
+        if cpu_kernels.runs(gate_up):
             act = cpu_kernels.silu_mul(gate_up)
         else:
             act = self.act(gate_up)
@@ -135,7 +134,13 @@ class DecoderModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        return self.decode(self.embed_tokens(input_ids), positions, meta)
+
+    def decode(
+        self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The layers and the final norm over the token embeddings ``hidden`` (which the C
+        path overwrites): the part of a step the runner records (cpu/kernels.py)."""
         if cpu_kernels.runs(hidden):
             rope = (self.rotary_emb.cos_sin, positions)
         else:
@@ -171,54 +176,6 @@ class DecoderForCausalLM(nn.Module):
         """Final hidden states [num_tokens, hidden] (logits are computed only where needed)."""
         return self.model(input_ids, positions, meta)
 
-    def cpu_decoder(self) -> cpu_kernels.DecoderSpec:
-        """The C view of the whole decoder for ``cpu_kernels.decode_step`` (float32 CPU, one
-        rank, K/V caches bound): raw pointers into this model's tensors, so rebuild it if they
-        move. The spec keeps its layer array alive."""
-        m, cfg = self.model, self.config
-        attn0 = m.layers[0].self_attn
-        layers = (cpu_kernels.DecoderLayerSpec * len(m.layers))()
-        for spec, layer in zip(layers, m.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            spec.qkv = _linear_spec(attn.qkv_proj)
-            spec.o = _linear_spec(attn.o_proj)
-            spec.gate_up = _linear_spec(mlp.gate_up_proj)
-            spec.down = _linear_spec(mlp.down_proj)
-            spec.input_norm = layer.input_layernorm.weight.data_ptr()
-            spec.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            if attn.qk_norm:
-                spec.q_norm = attn.q_norm.weight.data_ptr()
-                spec.k_norm = attn.k_norm.weight.data_ptr()
-            spec.k_cache = attn.attn.k_cache.data_ptr()
-            spec.v_cache = attn.attn.v_cache.data_ptr()
-        decoder = cpu_kernels.DecoderSpec(
-            num_layers=len(m.layers),
-            hidden=cfg.hidden_size,
-            heads=attn0.num_heads,
-            kv_heads=attn0.num_kv_heads,
-            head_dim=attn0.head_dim,
-            intermediate=cfg.intermediate_size,
-            block_size=attn0.attn.k_cache.shape[1],
-            eps=cfg.rms_norm_eps,
-            scale=attn0.attn.scale,
-            rope=m.rotary_emb.cos_sin.data_ptr(),
-            final_norm=m.norm.weight.data_ptr(),
-            layers=layers,
-            cache_half=int(attn0.attn.k_cache.dtype == torch.float16),
-        )
-        decoder._keep = layers  # ctypes holds only the pointer
-        return decoder
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [rows, vocab]; ``None`` on tensor-parallel ranks other than 0."""
         return self.lm_head(hidden)
-
-
-def _linear_spec(module: nn.Module) -> cpu_kernels.LinearSpec:
-    spec = getattr(module, "spec", None)  # a packed format's own view (cpu/formats.py)
-    if spec is not None:
-        return spec
-    weight = module.weight
-    return cpu_kernels.linear_spec(
-        cpu_kernels.LINEAR_F32, weight, weight.shape[1], bias=getattr(module, "bias", None)
-    )

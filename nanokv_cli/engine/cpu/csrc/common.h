@@ -104,7 +104,7 @@ void run_tasks(int64_t items, int threads, task_fn fn, void *ctx);
 typedef void (*rows_fn)(void *ctx, int64_t begin, int64_t end);
 void run_rows(int64_t rows, int64_t work, int threads, rows_fn fn, void *ctx);
 
-/* Entry points one kernel file calls in another (the one-call decoder composes them). */
+/* Entry points one kernel file calls in another (program.c replays recorded calls of them). */
 int cache_half_supported(void);
 void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
                   const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,

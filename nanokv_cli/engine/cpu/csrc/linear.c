@@ -2,7 +2,7 @@
 
 /* ---------------------------------------------------------------------------------------------
    The linear layers' entry points, y = x W^T + b, and LINEAR_F32: float32 weights [out][in] for
-   the one-call decoder of float models (decoder.c), whose decode steps have a few rows each.
+   a few rows (cpu/formats.py, FloatLinear), as float models' decode steps have.
 
    A decode step at batch 1 streams every weight once and does little arithmetic on it, so its
    speed is the bytes read per token plus whatever runs between the reads: four output rows at
