@@ -312,6 +312,28 @@ def tiny_archs(tmp_path_factory):
     return models
 
 
+def decode_dropping(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list:
+    """Prefill all prompts, then decode greedily, the last sequence leaving after each step
+    (steps of fewer and fewer rows); every step's logits."""
+    seqs = [
+        Sequence(p, SamplingParams(temperature=0.0), block_size=runner.block_size) for p in prompts
+    ]
+    for i, seq in enumerate(seqs):
+        seq.block_table = list(range(8 * i, 8 * i + 8))
+        seq.num_scheduled_tokens = len(seq)
+    every = []
+    for step in range(steps):
+        logits = runner.run_logits(seqs)
+        every.append(logits)
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.append_token(token)
+            seq.num_scheduled_tokens = 1
+        if step > 1 and len(seqs) > 1:
+            seqs.pop()
+    return every
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # None: float32 weights
 def test_replayed_decode_steps_compute_what_the_layers_compute(
@@ -320,9 +342,7 @@ def test_replayed_decode_steps_compute_what_the_layers_compute(
     config, weights = tiny_archs[arch]
     replays = []
     real = cpu_kernels.StepProgram.run
-    monkeypatch.setattr(
-        cpu_kernels.StepProgram, "run", lambda *a: replays.append(1) or real(*a)
-    )
+    monkeypatch.setattr(cpu_kernels.StepProgram, "run", lambda *a: replays.append(a[3]) or real(*a))
 
     def make(recorded: bool) -> ModelRunner:
         settings = EngineConfig(
@@ -334,21 +354,23 @@ def test_replayed_decode_steps_compute_what_the_layers_compute(
             runner.fused_max_rows = 0
         return runner
 
-    # Contexts crossing block edges (so a table widens, and its program is recorded anew);
-    # 1, 3 and 5 sequences (the kernels' row tiles of 1-4).
+    # Contexts crossing block edges (the tables widen); 1, 3 and 5 sequences (the kernels' row
+    # tiles of 1-4), then fewer and fewer rows: replays of the program recorded on the first
+    # decode step, on a prefix of its rows.
     prompts = [
         [(i * 5 + j * 11) % 250 + 3 for i in range(n)] for j, n in enumerate((1, 9, 30, 17, 8))
     ]
     for batch in (prompts[2:3], prompts[:3], prompts):
         replays.clear()
         runner = make(True)
-        recorded_tokens, recorded_logits = greedy_run(runner, batch, 6)
-        # 5 decode steps: each table width's first step records, the others replay.
-        assert len(replays) + len(runner.programs) == 5 and replays
-        layered_tokens, layered_logits = greedy_run(make(False), batch, 6)
-        assert recorded_tokens == layered_tokens
+        recorded = decode_dropping(runner, batch, 7)
+        assert runner.program.rows == len(batch)
+        n = len(batch)
+        assert replays == [n] + [max(1, n - k) for k in range(1, 5)]  # 6 decode steps, 1 recorded
+        layered = decode_dropping(make(False), batch, 7)
         # The same kernel calls on the same inputs: the same bits.
-        assert torch.equal(recorded_logits, layered_logits)
+        for a, b in zip(recorded, layered, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_step_program_places_tensors_whose_lives_overlap_apart():

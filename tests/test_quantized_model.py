@@ -231,14 +231,14 @@ def test_auto_decode_batches_round_as_single_tokens_do(monkeypatch):
     real = runner._run_program
     monkeypatch.setattr(runner, "_run_program", lambda *a: steps.append(len(a[1])) or real(*a))
     logits = decode_rows(auto, prompts)  # recorded from the layers, as it runs
-    assert steps == [16] and len(runner.programs) == 1
+    assert steps == [16] and runner.program.rows == 16
     assert mean_kl(expected, logits) < AUTO_DECODE_BATCH_MAX_KL
-    # Replayed, the step computes the layers' bits; one sequence's step computes its row of
-    # the batch bit for bit (one layout for every row count).
+    # Replayed, the step computes the layers' bits, and one sequence's step (a replay on one
+    # row) its row of the batch, bit for bit (one layout for every row count).
     assert torch.equal(decode_rows(auto, prompts), logits)
     alone = decode_rows(auto, prompts[5:6])
     assert torch.equal(alone[0], logits[5])
-    assert steps == [16, 16, 1] and len(runner.programs) == 2
+    assert steps == [16, 16, 1] and runner.program.rows == 16
 
 
 def test_int4_default_model_still_knows_paris(int4_llm):

@@ -27,7 +27,6 @@ from .config import EngineConfig, ModelConfig
 from .cpu import kernels as cpu_kernels
 from .cpu.formats import (
     MAX_ROW_PACKED_BYTES,
-    MAX_STEP_PROGRAMS,
     FloatLinear,
     fused_decode_max_rows,
 )
@@ -282,7 +281,7 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None
         self.num_blocks = self._resolve_num_blocks()
         self.kv_cache = self._allocate_kv_cache()
-        # Decode steps replay the kernel calls recorded on the first step of as many rows (one
+        # Decode steps replay the kernel calls recorded on the largest decode step so far (one
         # C call, cpu/kernels.py StepProgram): ~10 ms less Python per step for SmolLM2's 30
         # layers, and 12-18% faster than layer by layer at 17-64 rows (scripts/BENCHMARKS.md),
         # as far as the projections' formats allow.
@@ -291,7 +290,7 @@ class ModelRunner:
             if self.fused_decode
             else 0
         )
-        self.programs: dict[tuple[int, int], cpu_kernels.StepProgram] = {}
+        self.program: cpu_kernels.StepProgram | None = None
         self._program_arena = torch.empty(0, dtype=torch.uint8)
         self._persistent = {
             t.untyped_storage().data_ptr()
@@ -479,22 +478,18 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     def _run_program(self, batch: StepBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """A decode step: the step program of its row count and table width, recorded from the
-        torch forward the first time (that step runs it as it records it), replayed after."""
+        """A decode step: the step program, recorded from the torch forward on the first step
+        with more rows than it has (that step runs as it is recorded), replayed otherwise."""
         meta, paged = batch.meta, batch.meta.paged_decode
         inputs = (hidden, batch.positions, meta.slot_mapping, paged.block_tables, paged.context_lens)
-        key = tuple(paged.block_tables.shape)
-        program = self.programs.get(key)
-        if program is None:
+        rows, width = paged.block_tables.shape
+        if self.program is None or rows > self.program.rows:
             with cpu_kernels.recording() as tape:
                 out = self.model.model.decode(hidden, batch.positions, meta)
-            if len(self.programs) == MAX_STEP_PROGRAMS:  # the oldest goes (~80 KB each)
-                del self.programs[next(iter(self.programs))]
-            self.programs[key] = cpu_kernels.StepProgram(tape, inputs, out, self._persistent)
+            self.program = cpu_kernels.StepProgram(tape, inputs, out, self._persistent)
+            self._program_arena = torch.empty(self.program.arena_bytes, dtype=torch.uint8)
             return out
-        if self._program_arena.nbytes < program.arena_bytes:
-            self._program_arena = torch.empty(program.arena_bytes, dtype=torch.uint8)
-        return program.run(self._program_arena, inputs)
+        return self.program.run(self._program_arena, inputs, rows, width)
 
     def _prepare(self, seqs: list[Sequence]) -> StepBatch:
         singles = [i for i, s in enumerate(seqs) if s.num_scheduled_tokens == 1]
@@ -542,7 +537,7 @@ class ModelRunner:
         if self.use_flash:  # pragma: no cover - GPU
             meta.flash = self._flash_metadata(ordered, contexts, num_singles)
         elif self.use_cpu_kernel:
-            meta.paged_decode = self._paged_decode(ordered, contexts, plan.fused_decoder)
+            meta.paged_decode = self._paged_decode(ordered, contexts)
         else:
             meta.decode_groups = self._decode_groups(ordered[:num_singles], contexts)
             meta.prefills = [self._prefill_chunk(s, first, ctx) for s, first, ctx in chunks]
@@ -579,9 +574,7 @@ class ModelRunner:
         table = torch.tensor(block_table[: _cdiv(length, self.block_size)], dtype=torch.long)
         return (table.unsqueeze(1) * self.block_size + self._offsets).view(-1)[:length]
 
-    def _paged_decode(
-        self, seqs: list[Sequence], contexts: list[int], recorded: bool = False
-    ) -> PagedDecode:
+    def _paged_decode(self, seqs: list[Sequence], contexts: list[int]) -> PagedDecode:
         """Every row of a CPU step for the C attention kernel, which reads K/V in place.
 
         A prefill chunk's row i is a query whose context ends at its own position: its K/V
@@ -596,8 +589,6 @@ class ModelRunner:
             lengths += range(context - n + 1, context + 1)
             owners += [i] * n
         width = _cdiv(max(contexts), self.block_size)
-        if recorded:  # a power of two, so that a few step programs serve every context length
-            width = 1 << (width - 1).bit_length()
         tables = torch.tensor([_padded(s.block_table, width) for s in seqs], dtype=torch.long)
         if len(owners) > len(seqs):
             tables = tables[torch.tensor(owners)]

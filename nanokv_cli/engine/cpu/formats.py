@@ -249,8 +249,6 @@ def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 F32_FUSED_MAX_ROWS = 16
 # At most this many bytes of MKL-packed float32 copies (FloatLinear's packed_row).
 MAX_ROW_PACKED_BYTES = 1 << 30
-# Recorded decode steps kept (one per row count and table width seen, ~80 KB each for SmolLM2).
-MAX_STEP_PROGRAMS = 64
 
 
 def fused_decode_max_rows(projections: Sequence[nn.Module]) -> float:

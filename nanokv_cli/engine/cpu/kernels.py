@@ -84,7 +84,7 @@ _SIGNATURES = {
     "q4p_pack": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
     "q8p_bytes": ([_i64, _i64], _i64),
     "q8p_pack": ([_ptr, _ptr, _i64, _i64, _ptr, _int], None),
-    "run_program": ([_ptr, _i64, _ptr, _int], _int),
+    "run_program": ([_ptr, _i64, _ptr, _ptr], _int),
 }
 
 
@@ -140,8 +140,8 @@ def paged_decode(
         v_cache,
         block_tables,
         context_lens,
-        n,
-        block_tables.shape[1],
+        _Rows(n),
+        _Width(block_tables.shape[1]),
         heads,
         kv_heads,
         dim,
@@ -180,7 +180,7 @@ def rms_norm(
         residual,
         0 if residual is None else residual.stride(0),
         weight,
-        x.shape[0] * inner,
+        _Rows(x.shape[0], inner),
         inner,
         dim,
         eps,
@@ -195,7 +195,7 @@ def rotary_(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> to
     """Rotate x [n, heads, dim] (heads and dim packed) in place; ``table`` [positions, 2, dim]
     holds cos duplicated and sin with its first half negated; ``positions`` int64 [n]."""
     n, heads, dim = x.shape
-    _call("rotary_f32", x, x.stride(0), n, heads, dim, table, positions, _Threads())
+    _call("rotary_f32", x, x.stride(0), _Rows(n), heads, dim, table, positions, _Threads())
     return x
 
 
@@ -217,7 +217,7 @@ def store_kv(
         v,
         v.stride(0),
         slots,
-        n,
+        _Rows(n),
         kv_heads * dim,
         k_cache,
         v_cache,
@@ -229,7 +229,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :h]) * x[:, h:] for a contiguous [n, 2h] x."""
     n, width = x.shape
     out = torch.empty(n, width // 2, dtype=x.dtype)
-    _call("silu_mul_f32", x, n, width // 2, out, _Threads())
+    _call("silu_mul_f32", x, _Rows(n), width // 2, out, _Threads())
     return out
 
 
@@ -277,7 +277,7 @@ def linear(
         spec,
         x,
         x.stride(0),
-        n,
+        _Rows(n),
         out,
         out.stride(0),
         int(exact_inputs),
@@ -368,14 +368,15 @@ _PROGRAM_KERNELS = (
     "rms_norm_f32", "rotary_f32", "store_kv_f32", "paged_decode_f32", "silu_mul_f32", "linear_f32"
 )
 _PROGRAM_ARGS = 17  # the most any of them takes
-_FIXED, _THREADS = -1, -2  # ProgramOp bases that are not addresses
+_FIXED = -1  # a ProgramOp base: the value itself
 
 
 class ProgramOp(ctypes.Structure):
     """One recorded call: argument i is ``value[i]`` where ``base[i] == _FIXED`` (a number, a
-    float as its float32 bits, or a pointer into the model or the cache), the replay's thread
-    count where ``base[i] == _THREADS``, else the address ``bases[base[i]] + value[i]`` (the
-    step's arena, or one of its inputs)."""
+    float as its float32 bits, or a pointer into the model or the cache); the replay's scalar
+    ``scalars[-2 - base[i]]`` (threads, rows, table width) times ``value[i]`` where
+    ``base[i] <= -2``; else the address ``bases[base[i]] + value[i]`` (the step's arena, or one
+    of its inputs)."""
 
     _fields_ = [
         ("kernel", _i64),
@@ -389,12 +390,34 @@ class ProgramOp(ctypes.Structure):
 _TAPE: ContextVar[list | None] = ContextVar("nanokv_cpu_tape", default=None)
 
 
-class _Threads(int):
-    """The kernels' thread count, ``torch.get_num_threads()`` at each call: a replayed step
-    reads it anew too."""
+class _Scalar(int):
+    """An argument a replay sets anew: ``scalars[slot] * per`` (see ProgramOp)."""
+
+    slot = 0
+
+    def __new__(cls, value: int, per: int = 1) -> _Scalar:
+        self = super().__new__(cls, value * per)
+        self.per = per
+        return self
+
+
+class _Threads(_Scalar):
+    """The kernels' thread count, ``torch.get_num_threads()`` at each call."""
 
     def __new__(cls) -> _Threads:
         return super().__new__(cls, torch.get_num_threads())
+
+
+class _Rows(_Scalar):
+    """A row count: the step's tokens, times ``per`` (heads, for per-head norms)."""
+
+    slot = 1
+
+
+class _Width(_Scalar):
+    """The block tables' width."""
+
+    slot = 2
 
 
 def _call(name: str, *args):
@@ -420,13 +443,15 @@ def recording() -> Iterator[list]:
 
 
 class StepProgram:
-    """A recorded step, replayed by one C call on new inputs of the same shapes.
+    """A recorded step of n rows, replayed by one C call on the inputs of a step of up to n.
 
     ``inputs``: the tensors the step reads that change from step to step (embeddings, positions,
     slots, block tables, context lengths). ``persistent``: storage addresses that outlive the
     program (weights, the KV cache). Every other tensor the calls touch was made during the
     step: it gets a place in one arena, shared with the tensors whose lifetimes do not overlap
-    its own, and ``output`` is read from there after a replay.
+    its own, and ``output`` is read from there after a replay. Row counts, the tables' width
+    and the thread count are the replay's (``_Scalar``): every tensor the step makes is rows
+    of a fixed width, so a step of fewer rows uses the first of them.
     """
 
     def __init__(
@@ -437,10 +462,12 @@ class StepProgram:
         persistent: set[int],
     ) -> None:
         inputs_at = {t.untyped_storage().data_ptr(): (i, t) for i, t in enumerate(inputs)}
-        self.shapes = [t.shape for t in inputs]
+        self.rows = output.shape[0]
         lives: dict[int, list[int]] = {}  # arena tensor storage -> [first op, last op, bytes]
         for i, (_, args) in enumerate(tape):
             for a in args:
+                if isinstance(a, _Rows) and a != self.rows * a.per:
+                    raise ValueError(f"a kernel of the step ran on {a // a.per} of its {self.rows} rows")
                 if isinstance(a, torch.Tensor):
                     key = a.untyped_storage().data_ptr()
                     if key not in persistent and key not in inputs_at:
@@ -460,25 +487,30 @@ class StepProgram:
                 op.base[j], op.value[j] = _encode(a, inputs_at, offsets)
         self.output = (offsets[out_key] + output.data_ptr() - out_key, output.dtype, output.shape)
 
-    def run(self, arena: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Replay on ``inputs`` (shaped as the recorded ones, contiguous) with ``arena`` (at
-        least ``arena_bytes``); the output is a view of the arena."""
-        if [t.shape for t in inputs] != self.shapes or arena.nbytes < self.arena_bytes:
-            raise ValueError("a step program replays only on inputs shaped as recorded")
+    def run(
+        self, arena: torch.Tensor, inputs: Sequence[torch.Tensor], rows: int, width: int
+    ) -> torch.Tensor:
+        """Replay on the ``inputs`` (as recorded, contiguous) of a step of ``rows`` rows whose
+        block tables are ``width`` wide, in ``arena`` (at least ``arena_bytes``); the output is
+        a view of the arena."""
+        if not 0 < rows <= self.rows or arena.nbytes < self.arena_bytes:
+            raise ValueError(f"a step program of {self.rows} rows cannot replay {rows}")
         bases = (ctypes.c_void_p * (1 + len(inputs)))(
             arena.data_ptr(), *(t.data_ptr() for t in inputs)
         )
-        if _library().run_program(self.ops, len(self.ops), bases, torch.get_num_threads()):
+        scalars = (ctypes.c_int64 * 3)(torch.get_num_threads(), rows, width)
+        if _library().run_program(self.ops, len(self.ops), bases, scalars):
             raise MemoryError("a CPU kernel of the replayed step could not allocate its buffers")
         offset, dtype, shape = self.output
-        return arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+        whole = arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+        return whole[:rows]
 
 
 def _encode(a, inputs_at: dict, offsets: dict[int, int]) -> tuple[int, int]:
     """A recorded argument as (base, value) (see ProgramOp): an input (base 1 + i), an arena
     tensor (base 0), else fixed."""
-    if isinstance(a, _Threads):
-        return _THREADS, 0
+    if isinstance(a, _Scalar):
+        return -2 - a.slot, a.per
     if isinstance(a, torch.Tensor):
         key = a.untyped_storage().data_ptr()
         if key in inputs_at:

@@ -3,10 +3,11 @@
 /* ---------------------------------------------------------------------------------------------
    A recorded step replayed (cpu/kernels.py, StepProgram): the kernel calls the torch forward
    made for a decode step of n rows, in order, with their arguments. An argument is a number, a
-   float's bits or a fixed pointer (FIXED), the thread count (THREADS), or an address in the
-   step's arena or one of its inputs (bases[base] + value), so the same calls run on the next
-   step's embeddings, positions, slots and block tables. The decoder's layers are written once,
-   in the torch model.
+   float's bits or a fixed pointer (FIXED), a multiple of one of the replay's scalars (threads,
+   rows, the block tables' width), or an address in the step's arena or one of its inputs
+   (bases[base] + value), so the same calls run on the next step's embeddings, positions, slots
+   and block tables, of n rows or fewer. The decoder's layers are written once, in the torch
+   model.
    ------------------------------------------------------------------------------------------ */
 
 #define PROGRAM_ARGS 17
@@ -18,12 +19,13 @@ typedef struct {
 enum { RMS_NORM, ROTARY, STORE_KV, ATTENTION, SILU_MUL, LINEAR };
 
 #define FIXED (-1)
-#define THREADS (-2)
 
-static inline int64_t arg(const ProgramOp *op, char *const *bases, int threads, int i) {
-    if (op->base[i] == FIXED) return op->value[i];
-    if (op->base[i] == THREADS) return threads;
-    return (int64_t)(intptr_t)(bases[op->base[i]] + op->value[i]);
+/* scalars: the replay's thread count, rows and block tables' width */
+static inline int64_t arg(const ProgramOp *op, char *const *bases, const int64_t *scalars, int i) {
+    const int64_t base = op->base[i], value = op->value[i];
+    if (base == FIXED) return value;
+    if (base < FIXED) return scalars[-2 - base] * value;
+    return (int64_t)(intptr_t)(bases[base] + value);
 }
 
 static inline float arg_float(const ProgramOp *op, int i) {
@@ -32,9 +34,9 @@ static inline float arg_float(const ProgramOp *op, int i) {
 }
 
 /* Returns nonzero if a kernel could not allocate its buffers (or an op is unknown). */
-int run_program(const ProgramOp *ops, int64_t count, char *const *bases, int threads) {
-#define P(i) ((void *)(intptr_t)arg(op, bases, threads, i))
-#define I(i) arg(op, bases, threads, i)
+int run_program(const ProgramOp *ops, int64_t count, char *const *bases, const int64_t *scalars) {
+#define P(i) ((void *)(intptr_t)arg(op, bases, scalars, i))
+#define I(i) arg(op, bases, scalars, i)
 #define F(i) arg_float(op, i)
     for (const ProgramOp *op = ops; op < ops + count; op++) {
         int failed = 0;
