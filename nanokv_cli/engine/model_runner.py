@@ -10,7 +10,7 @@ logits only at each sequence's last scheduled position.
 On CPU in float32 the C kernels of ``cpu/`` serve (benchmark notes in
 ``scripts/BENCHMARKS.md``): paged decode attention, fused norms, rotary, K/V stores, silu * mul,
 the packed weight formats of ``cpu/formats.py``, and the whole decoder in one call for decode
-steps (the kernel calls of the torch layers, recorded on the first step of as many rows and
+steps (the kernel calls of the torch layers, recorded on the largest decode step so far and
 replayed). Each step gets a ``StepPlan`` saying which path it takes and how precisely the packed
 layers round their inputs; float32 layers become ``FloatLinear`` (``_pack_weights``).
 """

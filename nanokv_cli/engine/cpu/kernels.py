@@ -9,9 +9,9 @@ Why leave PyTorch on the CPU:
   the query heads that share it (GQA), a chunk of rows ahead, accumulating in float32.
 * Per-op overhead. A single sequence's decode step is ~30 layers of tiny tensors, where each
   torch op costs microseconds of dispatch. Fused here: residual add + RMSNorm, rotary in place,
-  the K/V store, silu(gate) * up; and a decode step replays, in one C call, the kernel calls the
-  torch layers made on the first step of as many rows (``StepProgram``: ~10 ms less Python per
-  SmolLM2 step).
+  the K/V store, silu(gate) * up; and a decode step replays, in one C call, the kernel calls
+  the torch layers made on an earlier step of as many rows or more (``StepProgram``: ~10 ms
+  less Python per SmolLM2 step).
 * Quantized weights. ``linear`` multiplies GGUF's blocks (Q4_0/Q4_1, Q8_0) in the packed
   formats (``formats.py``, packed by ``pack_q4`` / ``pack_q8``) by inputs rounded to int8 or int16 per 32 values, with integer
   multiply-adds in tiles blocked for L1/L2, one layout for every row count (``formats.py``
@@ -75,7 +75,7 @@ _SIGNATURES = {
         None,
     ),
     "rotary_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
-    "store_kv_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int], None),
+    "store_kv_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int, _int], None),
     "cache_half_supported": ([], _int),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr, _int], None),
     "linear_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
@@ -222,6 +222,7 @@ def store_kv(
         k_cache,
         v_cache,
         _is_half(k_cache),
+        _Threads(),
     )
 
 
@@ -360,8 +361,8 @@ def _check_blocks(
 #
 # A decode step is ~300 kernel calls (SmolLM2's 30 layers), each a few microseconds of Python and
 # ctypes around microseconds of arithmetic. As CUDA graphs do on the GPU, the runner records the
-# calls the torch forward makes for a step of n rows once, and later steps of n rows replay them
-# in one C call (csrc/program.c): the torch model stays the only description of the decoder.
+# calls the torch forward makes for a step of n rows once, and later steps of up to n rows replay
+# them in one C call (csrc/program.c): the torch model stays the only description of the decoder.
 
 # Kernels a recorded step may call, in csrc/program.c's order.
 _PROGRAM_KERNELS = (

@@ -113,7 +113,7 @@ void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t di
                 const float *table, const int64_t *positions, int threads);
 void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                   const int64_t *slots, int64_t n, int64_t row, void *k_cache, void *v_cache,
-                  int half);
+                  int half, int threads);
 void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads);
 int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
                      const void *v_cache, const int64_t *block_tables, const int64_t *context_lens,

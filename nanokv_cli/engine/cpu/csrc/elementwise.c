@@ -81,25 +81,49 @@ void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t di
     run_rows(n, n * heads * dim, threads, rotary_rows, &job);
 }
 
+typedef struct {
+    const float *k, *v;
+    int64_t k_stride, v_stride;
+    const int64_t *slots;
+    int64_t row;
+    void *k_cache, *v_cache;
+    int half;
+} StoreJob;
+
+#ifdef __F16C__
+/* dst[d] = src[d] rounded to the nearest float16, d < row */
+static void store_half(uint16_t *dst, const float *src, int64_t row) {
+    int64_t d = 0;
+    for (; d + 8 <= row; d += 8)
+        _mm_storeu_si128((__m128i *)(dst + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+    for (; d < row; d++) dst[d] = _cvtss_sh(src[d], _MM_FROUND_TO_NEAREST_INT);
+}
+#endif
+
+static void store_rows(void *arg, int64_t begin, int64_t end) {
+    const StoreJob *j = arg;
+    const int64_t row = j->row;
+    for (int64_t i = begin; i < end; i++) {
+        const float *k = j->k + i * j->k_stride, *v = j->v + i * j->v_stride;
+        if (!j->half) {
+            memcpy((float *)j->k_cache + j->slots[i] * row, k, sizeof(float) * row);
+            memcpy((float *)j->v_cache + j->slots[i] * row, v, sizeof(float) * row);
+            continue;
+        }
+#ifdef __F16C__
+        store_half((uint16_t *)j->k_cache + j->slots[i] * row, k, row);
+        store_half((uint16_t *)j->v_cache + j->slots[i] * row, v, row);
+#endif
+    }
+}
+
 /* k_cache[slots[i]] = k[i], v_cache[slots[i]] = v[i]; rows of `row` floats, token strides given;
    a float16 cache (half != 0, F16C builds only) stores them rounded to nearest. */
 void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                   const int64_t *slots, int64_t n, int64_t row, void *k_cache, void *v_cache,
-                  int half) {
-    for (int64_t i = 0; i < n; i++) {
-        if (!half) {
-            memcpy((float *)k_cache + slots[i] * row, k + i * k_stride, sizeof(float) * row);
-            memcpy((float *)v_cache + slots[i] * row, v + i * v_stride, sizeof(float) * row);
-            continue;
-        }
-#ifdef __F16C__
-        uint16_t *kd = (uint16_t *)k_cache + slots[i] * row, *vd = (uint16_t *)v_cache + slots[i] * row;
-        for (int64_t d = 0; d < row; d++) {
-            kd[d] = _cvtss_sh(k[i * k_stride + d], _MM_FROUND_TO_NEAREST_INT);
-            vd[d] = _cvtss_sh(v[i * v_stride + d], _MM_FROUND_TO_NEAREST_INT);
-        }
-#endif
-    }
+                  int half, int threads) {
+    StoreJob job = {k, v, k_stride, v_stride, slots, row, k_cache, v_cache, half};
+    run_rows(n, n * row, threads, store_rows, &job);
 }
 
 typedef struct {

@@ -45,7 +45,9 @@ int run_program(const ProgramOp *ops, int64_t count, char *const *bases, const i
             rms_norm_f32(P(0), I(1), P(2), I(3), P(4), I(5), I(6), I(7), F(8), P(9), I(10), (int)I(11));
             break;
         case ROTARY: rotary_f32(P(0), I(1), I(2), I(3), I(4), P(5), P(6), (int)I(7)); break;
-        case STORE_KV: store_kv_f32(P(0), I(1), P(2), I(3), P(4), I(5), I(6), P(7), P(8), (int)I(9)); break;
+        case STORE_KV:
+            store_kv_f32(P(0), I(1), P(2), I(3), P(4), I(5), I(6), P(7), P(8), (int)I(9), (int)I(10));
+            break;
         case ATTENTION:
             failed = paged_decode_f32(P(0), I(1), P(2), P(3), P(4), P(5), I(6), I(7), I(8), I(9), I(10),
                                       I(11), F(12), P(13), I(14), (int)I(15), (int)I(16));
