@@ -104,13 +104,17 @@ def test_paged_decode_matches_sdpa_and_reads_only_the_context(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_paged_decode_serves_prefill_rows_each_with_its_own_context(threads, cache_dtype):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 64), (8, 2, 128), (3, 3, 16)])
+def test_paged_decode_serves_prefill_rows_each_with_its_own_context(
+    threads, cache_dtype, heads, kv_heads, dim
+):
     # A prefill chunk's rows are queries whose contexts end at their own positions, over the
-    # same blocks: a 13-row chunk after 5 cached tokens, a decode row, a 20-token prompt, and
-    # two sequences sharing their first two blocks, with consecutive lengths.
+    # same blocks: a 13-row chunk after 5 cached tokens, a decode row, a 20-token prompt (a
+    # full tile of 16 rows, then 4), and two sequences sharing their first two blocks, with
+    # consecutive lengths.
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(7)
-    heads, kv_heads, dim, block_size = 6, 2, 64, 16
+    block_size = 16
     num_blocks = 24
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
