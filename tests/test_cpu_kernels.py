@@ -228,6 +228,8 @@ def test_float_layer_takes_the_c_gemv_for_few_rows_and_mkl_for_one():
                 torch.testing.assert_close(m(x), expected, atol=1e-5, rtol=1e-5)
         if 1 < rows <= F32_FUSED_MAX_ROWS:  # the C GEMV, whether or not a 1-row copy exists
             assert torch.equal(layer(x), cpu_kernels.linear(layer.spec, x))
+    strided = torch.randn(96, 3, generator=g).t()  # columns not packed: F.linear takes them
+    assert torch.equal(plain(strided), F.linear(strided, weight, bias))
     assert FloatLinear.worth_packing(weight)
     assert not FloatLinear.worth_packing(weight.t().contiguous())  # narrow output: slower
 

@@ -292,6 +292,7 @@ class FloatLinear(nn.Module):
     def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1 and self.packed is not None:
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
-        if x.dim() == 2 and x.shape[0] <= F32_FUSED_MAX_ROWS and kernels.runs(x):
+        few = x.dim() == 2 and x.shape[0] <= F32_FUSED_MAX_ROWS and x.stride(1) == 1
+        if few and kernels.runs(x):  # the C GEMV takes rows with packed columns
             return kernels.linear(self.spec, x)
         return torch.nn.functional.linear(x, self.weight, self.bias)
