@@ -169,8 +169,10 @@ static void group_values_any(const float *p, int64_t group, int64_t prow, const 
 /* Rows of a sequence's cache read together: all of them in one block. Fewer than a block so
    that the next chunk can be fetched (prefetch_rows) while this one is read; measured at 64
    sequences: 16 rows of float16 or 32 of float32 (SmolLM2, 384 or 768 bytes a row). */
+#define CHUNK_HALF 16
+#define CHUNK_FLOAT 32
 static inline int64_t chunk_rows(int64_t t, int64_t len, int64_t block_size, int half) {
-    const int64_t chunk = half ? 16 : 32, in_block = block_size - t % block_size;
+    const int64_t chunk = half ? CHUNK_HALF : CHUNK_FLOAT, in_block = block_size - t % block_size;
     const int64_t m = len - t < chunk ? len - t : chunk;
     return m < in_block ? m : in_block;
 }
@@ -246,16 +248,17 @@ static inline void transpose16(__m512 a[16]) {
     }
 }
 
-/* A prompt tile's scores against m <= 16 cache rows of one KV head, for its `group` query
-   heads: qt [group][dim][16] holds the tile's queries transposed (16 rows a vector, zero past
-   `rows`), so each key's values, converted once and broadcast, multiply 16 rows at a time and
-   no score needs a horizontal sum. Row r's scores go to scores + r * row_stride + g * row. */
-static void tile_scores(const float *qt, int64_t group, const void *k, int64_t stride, int64_t m,
-                        int64_t dim, float scale, int half, float *kf, int64_t rows,
-                        float *scores, int64_t row_stride, int64_t row) {
+/* A full tile's scores (QUERY_TILE = 16 rows) against m <= 16 float16 cache rows of one KV
+   head (a float16 chunk: CHUNK_HALF rows), for its `group` query heads: qt [group][dim][16]
+   holds the tile's queries transposed (16 rows a vector), so each key's values, converted once
+   into kf and broadcast, multiply 16 rows at a time and no score needs a horizontal sum. Row
+   r's scores go to scores + r * row_stride + g * row. */
+static void tile_scores(const float *qt, int64_t group, const uint16_t *k, int64_t stride,
+                        int64_t m, int64_t dim, float scale, float *kf, float *scores,
+                        int64_t row_stride, int64_t row) {
     for (int64_t t = 0; t < 16; t++)
         for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(kf + t * dim + d, t < m ? cache_load16(k, t * stride + d, half) : _mm512_setzero_ps());
+            _mm512_storeu_ps(kf + t * dim + d, t < m ? cache_load16(k, t * stride + d, 1) : _mm512_setzero_ps());
     const __mmask16 keys = (__mmask16)((1u << m) - 1);
     for (int64_t g = 0; g < group; g++) {
         __m512 acc[16];
@@ -265,7 +268,7 @@ static void tile_scores(const float *qt, int64_t group, const void *k, int64_t s
             for (int t = 0; t < 16; t++) acc[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(kf[t * dim + d]), acc[t]);
         }
         transpose16(acc); /* acc[r]: row r's scores of the 16 keys */
-        for (int64_t r = 0; r < rows; r++)
+        for (int r = 0; r < 16; r++)
             _mm512_mask_storeu_ps(scores + r * row_stride + g * row, keys, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
     }
 }
@@ -281,7 +284,9 @@ static void attend(void *arg, int64_t item) {
     const int64_t *lens = j->context_lens + first, len = lens[rows - 1];
     const int64_t *table = j->block_tables + first * j->width;
     const size_t elem = j->half ? 2 : 4;
-    /* a full tile of a float16 cache, dims in 16s: transposed queries (tile_scores) */
+    /* a full tile over a float16 cache (chunks of at most 16 rows), dims in 16s: transposed
+       queries (tile_scores) */
+    _Static_assert(QUERY_TILE == 16 && CHUNK_HALF <= 16, "tile_scores works in 16 lanes");
     const int transposed = TILE_SCORES && rows == QUERY_TILE && j->half && dim % 16 == 0;
     const int64_t extra = transposed ? (hq + 1) * dim * 16 : 0;
     float *scores = malloc(sizeof(float) * (size_t)(rows * hq * row + extra));
@@ -299,9 +304,9 @@ static void attend(void *arg, int64_t item) {
 #ifdef __AVX512F__
         if (transposed) {
             for (int64_t h = 0; h < j->span; h++)
-                tile_scores(qt + h * group * dim * 16, group, (const char *)j->k_cache + (at + h * dim) * elem,
-                            slot, m, dim, j->scale, 1, qt + hq * dim * 16, rows,
-                            scores + h * group * row + t0, hq * row, row);
+                tile_scores(qt + h * group * dim * 16, group, (const uint16_t *)j->k_cache + at + h * dim,
+                            slot, m, dim, j->scale, qt + hq * dim * 16, scores + h * group * row + t0,
+                            hq * row, row);
             continue;
         }
 #endif
