@@ -386,3 +386,37 @@ def test_a_step_program_places_tensors_whose_lives_overlap_apart():
     offsets, size = cpu_kernels._plan(lives)
     assert offsets[1] == 0 and offsets[2] >= 128 and offsets[3] == 0
     assert size == max(offsets[2] + 64, 128)
+
+
+def test_a_step_program_gives_an_address_reused_by_a_larger_tensor_room_for_it():
+    # Within a recorded step a freed tensor's address may come back for a larger one: the two
+    # share a life and a place, which must hold the larger, apart from what lives beside it.
+    memory = bytearray(4096)
+    small = torch.frombuffer(memory, dtype=torch.float32, count=16).view(1, 16)
+    large = torch.frombuffer(memory, dtype=torch.float32, count=1024).view(1, 1024)
+    assert small.data_ptr() == large.data_ptr()
+    g = torch.Generator().manual_seed(8)
+    x, wide = torch.randn(1, 32, generator=g), torch.randn(1, 2048, generator=g)
+    with cpu_kernels.recording() as tape:
+        cpu_kernels._call("silu_mul_f32", x, cpu_kernels._Rows(1), 16, small, 1)
+        cpu_kernels._call("silu_mul_f32", wide, cpu_kernels._Rows(1), 1024, large, 1)
+        out = cpu_kernels.silu_mul(large)
+    program = cpu_kernels.StepProgram(tape, [x, wide], out, set())
+    at_large, at_out = program.ops[1].value[3], program.ops[2].value[3]
+    assert at_out >= at_large + large.nbytes or at_out + out.nbytes <= at_large
+    arena = torch.empty(program.arena_bytes, dtype=torch.uint8)
+    replayed = program.run(arena, [x, wide], 1, 0)
+    assert torch.equal(replayed, cpu_kernels.silu_mul(cpu_kernels.silu_mul(wide)))
+
+
+def test_a_step_program_refuses_a_tensor_it_reads_but_neither_made_nor_was_given():
+    # Its contents in a replay would be whatever the arena held: a weight left out of the
+    # persistent set, say.
+    x, weight = torch.randn(2, 64), torch.ones(64)
+    with cpu_kernels.recording() as tape:
+        out = cpu_kernels.rms_norm(x, weight, 1e-5)
+    with pytest.raises(ValueError, match="rms_norm_f32 reads a tensor"):
+        cpu_kernels.StepProgram(tape, [x], out, set())
+    program = cpu_kernels.StepProgram(tape, [x], out, {weight.untyped_storage().data_ptr()})
+    replayed = program.run(torch.empty(program.arena_bytes, dtype=torch.uint8), [x], 2, 0)
+    assert torch.equal(replayed, out)

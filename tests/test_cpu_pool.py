@@ -3,14 +3,18 @@ threads run, on which of them claims which item, on a second caller running at t
 or on the process having been forked after the pool started."""
 
 import multiprocessing
+import os
+import shutil
+import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from test_cpu_formats import Layer
 
-from nanokv_cli.engine.cpu import kernels
+from nanokv_cli.engine.cpu import build, kernels
 from nanokv_cli.engine.cpu.kernels import LINEAR_Q4P, LINEAR_Q8P
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
@@ -90,3 +94,23 @@ def test_a_forked_child_gets_the_same_result_on_a_pool_of_its_own():
     assert child.exitcode == 0
     assert result == expected.numpy().tobytes()
     del packed
+
+
+
+def test_jobs_issued_back_to_back_each_run_every_item_once(tmp_path):
+    # A replayed step issues its jobs from C with no Python between them, a gap too short for
+    # a Python test to hit its races often: tests/csrc/pool_stress.c issues half a million, on
+    # more threads than this machine has cores, too (a helper descheduled mid-job).
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    stress = tmp_path / "pool_stress"
+    sources = [Path(__file__).with_name("csrc") / "pool_stress.c", build.SOURCE_DIR / "pool.c"]
+    subprocess.run(
+        [compiler, "-O2", "-pthread", f"-I{build.SOURCE_DIR}", "-o", stress, *sources],
+        check=True,
+        timeout=120,
+    )
+    for threads in (2, 3, 4):
+        result = subprocess.run(
+            [stress, "500000", str(threads)], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, f"{threads} threads: {result.stdout}"

@@ -364,10 +364,16 @@ def _check_blocks(
 # calls the torch forward makes for a step of n rows once, and later steps of up to n rows replay
 # them in one C call (csrc/program.c): the torch model stays the only description of the decoder.
 
-# Kernels a recorded step may call, in csrc/program.c's order.
-_PROGRAM_KERNELS = (
-    "rms_norm_f32", "rotary_f32", "store_kv_f32", "paged_decode_f32", "silu_mul_f32", "linear_f32"
-)
+# Kernels a recorded step may call, in csrc/program.c's order, with the arguments each only
+# writes (its outputs): the step's own tensors are those an output makes.
+_PROGRAM_KERNELS = {
+    "rms_norm_f32": (9,),
+    "rotary_f32": (),
+    "store_kv_f32": (),
+    "paged_decode_f32": (13,),
+    "silu_mul_f32": (3,),
+    "linear_f32": (4,),
+}
 _PROGRAM_ARGS = 17  # the most any of them takes
 _FIXED = -1  # a ProgramOp base: the value itself
 
@@ -465,15 +471,22 @@ class StepProgram:
         inputs_at = {t.untyped_storage().data_ptr(): (i, t) for i, t in enumerate(inputs)}
         self.rows = output.shape[0]
         lives: dict[int, list[int]] = {}  # arena tensor storage -> [first op, last op, bytes]
-        for i, (_, args) in enumerate(tape):
-            for a in args:
+        for i, (name, args) in enumerate(tape):
+            for j, a in enumerate(args):
                 if isinstance(a, _Rows) and a != self.rows * a.per:
                     raise ValueError(f"a kernel of the step ran on {a // a.per} of its {self.rows} rows")
                 if isinstance(a, torch.Tensor):
                     key = a.untyped_storage().data_ptr()
                     if key not in persistent and key not in inputs_at:
-                        life = lives.setdefault(key, [i, i, a.untyped_storage().nbytes()])
-                        life[1] = i
+                        if key not in lives and j not in _PROGRAM_KERNELS.get(name, ()):
+                            # its contents would be whatever the arena held
+                            raise ValueError(
+                                f"{name} reads a tensor the step neither made nor was given"
+                            )
+                        # a tensor freed during the step may lend its address to a larger
+                        # one: one life spans both, as large as the largest
+                        life = lives.setdefault(key, [i, i, 0])
+                        life[1:] = i, max(life[2], a.untyped_storage().nbytes())
         out_key = output.untyped_storage().data_ptr()
         if out_key not in lives:
             raise ValueError("the step's output was not written by a recorded kernel")
@@ -483,7 +496,7 @@ class StepProgram:
         for op, (name, args) in zip(self.ops, tape):
             if name not in _PROGRAM_KERNELS:
                 raise ValueError(f"{name} cannot be replayed")
-            op.kernel = _PROGRAM_KERNELS.index(name)
+            op.kernel = list(_PROGRAM_KERNELS).index(name)
             for j, a in enumerate(args):
                 op.base[j], op.value[j] = _encode(a, inputs_at, offsets)
         self.output = (offsets[out_key] + output.data_ptr() - out_key, output.dtype, output.shape)

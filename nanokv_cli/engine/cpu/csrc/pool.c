@@ -37,7 +37,7 @@ typedef struct {
     int started;            /* helper threads created */
     _Atomic int sleepers, waiting;
     /* the current job: its generation in the high 32 bits of `claim`, the next unclaimed item
-       in the low 32; fields are written before `claim` publishes them */
+       in the low 32 (CLOSED while the caller writes the fields below) */
     _Atomic uint64_t claim;
     _Atomic int64_t items, done;
     _Atomic int helpers; /* helpers this job may use: the first `threads - 1` */
@@ -62,13 +62,23 @@ static inline void poll_pause(int spin) {
 #endif
 }
 
+/* A generation whose items cannot be claimed: the caller's state while it writes a job's
+   fields, so that no helper claims an item of a job it has read half of. */
+#define CLOSED 0xFFFFFFFFu
+
 /* Claims and runs items of job `generation` until none is left. A claim succeeds only while
-   that job is current, so a helper that wakes late never touches the next job's items. */
+   that job is current, and the compare-and-swap checks the fields read before it as a
+   seqlock's reader checks its sequence: a helper that wakes late, while the caller writes the
+   next job, may read some of the new fields, but the caller closed `claim` for the new
+   generation first, so that helper's claim fails. (Without the close, such a helper ran the
+   new job's function on an item past the old job's end, before the new job was published,
+   and counted it done: the caller returned while the item still ran on its stack frame.) */
 static void work_on(uint32_t generation) {
+    uint64_t seen = atomic_load_explicit(&pool.claim, memory_order_acquire);
     const task_fn fn = atomic_load_explicit(&pool.fn, memory_order_relaxed);
     void *ctx = atomic_load_explicit(&pool.ctx, memory_order_relaxed);
     const int64_t items = atomic_load_explicit(&pool.items, memory_order_relaxed);
-    uint64_t seen = atomic_load_explicit(&pool.claim, memory_order_acquire);
+    atomic_thread_fence(memory_order_acquire);
     for (;;) {
         const int64_t item = (int64_t)(seen & 0xFFFFFFFFu);
         if ((uint32_t)(seen >> 32) != generation || item >= items) return;
@@ -103,6 +113,10 @@ static void *helper_main(void *arg) {
             pthread_mutex_unlock(&pool.lock);
         }
         seen = generation;
+        /* a job being written is a few stores away: wait for it rather than skip it */
+        while (atomic_load_explicit(&pool.claim, memory_order_acquire) ==
+               ((uint64_t)generation << 32 | CLOSED))
+            poll_pause(1);
         if (index < atomic_load_explicit(&pool.helpers, memory_order_relaxed)) work_on(generation);
     }
     return NULL;
@@ -142,16 +156,19 @@ static int ensure_helpers(int wanted) {
 void run_tasks(int64_t items, int threads, task_fn fn, void *ctx) {
     if (items <= 0) return;
     pthread_once(&pool_once, pool_init);
-    if (threads <= 1 || items == 1 || items > 0xFFFFFFFFLL || pthread_mutex_trylock(&pool.caller) != 0) {
+    if (threads <= 1 || items == 1 || items >= CLOSED || pthread_mutex_trylock(&pool.caller) != 0) {
         for (int64_t i = 0; i < items; i++) fn(ctx, i);
         return;
     }
-    atomic_store_explicit(&pool.helpers, ensure_helpers(threads - 1), memory_order_relaxed);
+    const int helpers = ensure_helpers(threads - 1);
+    const uint32_t generation = (uint32_t)(atomic_load(&pool.claim) >> 32) + 1;
+    atomic_store(&pool.claim, (uint64_t)generation << 32 | CLOSED);
+    atomic_thread_fence(memory_order_release);
+    atomic_store_explicit(&pool.helpers, helpers, memory_order_relaxed);
     atomic_store_explicit(&pool.fn, fn, memory_order_relaxed);
     atomic_store_explicit(&pool.ctx, ctx, memory_order_relaxed);
     atomic_store_explicit(&pool.items, items, memory_order_relaxed);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    const uint32_t generation = (uint32_t)(atomic_load(&pool.claim) >> 32) + 1;
     atomic_store(&pool.claim, (uint64_t)generation << 32);
     if (atomic_load(&pool.sleepers) > 0) {
         pthread_mutex_lock(&pool.lock);
