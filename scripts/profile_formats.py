@@ -93,8 +93,8 @@ class Kernels:
         w = 0.05 * torch.randn(out_features, in_features, generator=g)
         self.shape = (out_features, in_features)
         q4, q8 = quantize(w, Q4), quantize(w, Q8)
-        self.q4p = kernels.pack_q4(q4.q, q4.scale, q4.zero)
-        self.q8p = kernels.pack_q8(q8.q, q8.scale)
+        self.q4p = kernels.pack(kernels.LINEAR_Q4P, q4.q, q4.scale, q4.zero)
+        self.q8p = kernels.pack(kernels.LINEAR_Q8P, q8.q, q8.scale)
         # torch's int4 dequantizes (q - 8) * scale + zero: its zero is the Q4_1 min + 8 scale
         halves = q4.q.view(out_features, -1, GROUP // 2).long()  # GGUF order: j and j + 16
         q = torch.cat([halves & 15, halves >> 4], dim=2).reshape(out_features, in_features)

@@ -52,13 +52,13 @@ class Layer:
             # Q4_1 (a free min) on even rows, Q4_0 (zero = -8 scale) on odd ones
             zero = (-0.3 * torch.rand(out_features, blocks, generator=g)).half()
             zero[1::2] = scale[1::2] * -8.0
-            self.packed = kernels.pack_q4(nibbles, scale, zero)
+            self.packed = kernels.pack(LINEAR_Q4P, nibbles, scale, zero)
             halves = nibbles.view(out_features, blocks, 16).long()
             q = torch.cat([halves & 15, halves >> 4], dim=2)  # GGUF order: j and j + 16
             self.q, self.zero = q.reshape(out_features, in_features), zero
         else:
             q = torch.randint(-128, 128, (out_features, in_features), generator=g)
-            self.packed = kernels.pack_q8(q.to(torch.int8), scale)
+            self.packed = kernels.pack(LINEAR_Q8P, q.to(torch.int8), scale)
             self.q, self.zero = q, None
         self.scale = scale
         # the kernel's terms per block: scale * sum(q x) and zero * sum(x); their absolute sizes
@@ -249,7 +249,7 @@ def test_packed_sizes_and_shape_checks():
     with pytest.raises(ValueError):
         layer.linear(torch.randn(1, 64))
     with pytest.raises(ValueError):
-        kernels.pack_q8(torch.zeros(4, 48, dtype=torch.int8), torch.zeros(4, 1).half())
+        kernels.pack(LINEAR_Q8P, torch.zeros(4, 48, dtype=torch.int8), torch.zeros(4, 1).half())
     assert torch.equal(layer.linear(torch.randn(0, 96)), torch.empty(0, 40))
 
 

@@ -105,11 +105,8 @@ class PackedLinear(nn.Module):
             raise QuantizationError(f"fused parts need one input size, got {sorted(widths)}")
         q = torch.cat([g.q for g in groups])
         scale = torch.cat([g.scale for g in groups])
-        if fmt is Q4:
-            weights = kernels.pack_q4(q, scale, torch.cat([g.zero for g in groups]))
-        else:
-            weights = kernels.pack_q8(q, scale)
-        return cls(fmt, weights, widths.pop(), q.shape[0], bias)
+        zero = torch.cat([g.zero for g in groups]) if fmt is Q4 else None
+        return cls(fmt, kernels.pack(fmt.kind, q, scale, zero), widths.pop(), q.shape[0], bias)
 
     def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
         """``exact_inputs``: round the input rows to 16 bits whatever the format (the runner's

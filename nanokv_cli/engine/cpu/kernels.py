@@ -13,7 +13,7 @@ Why leave PyTorch on the CPU:
   the torch layers made on an earlier step of as many rows or more (``StepProgram``: ~10 ms
   less Python per SmolLM2 step).
 * Quantized weights. ``linear`` multiplies GGUF's blocks (Q4_0/Q4_1, Q8_0) in the packed
-  formats (``formats.py``, packed by ``pack_q4`` / ``pack_q8``) by inputs rounded to int8 or int16 per 32 values, with integer
+  formats (``formats.py``, packed by ``pack``) by inputs rounded to int8 or int16 per 32 values, with integer
   multiply-adds in tiles blocked for L1/L2, one layout for every row count (``formats.py``
   holds the layers). Float32 weights go through the same entry point for a few rows
   (``formats.FloatLinear``).
@@ -242,7 +242,7 @@ def linear_spec(
     out_features: int | None = None,
 ) -> LinearSpec:
     """The C view of a linear layer: ``weight`` float32 [out, in] (``LINEAR_F32``) or a packed
-    format's bytes (``pack_q4`` / ``pack_q8``, with ``out_features``); ``bias`` float32 [out]."""
+    format's bytes (``pack``, with ``out_features``); ``bias`` float32 [out]."""
     for t in (weight, bias):
         if t is not None and not t.is_contiguous():
             raise ValueError("linear_spec needs contiguous tensors")
@@ -306,36 +306,22 @@ def packed_bytes(kind: int, out_features: int, in_features: int) -> int:
     return int(getattr(_library(), name)(out_features, in_features))
 
 
-def pack_q4(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``LINEAR_Q4P`` bytes of Q4 blocks: ``nibbles`` uint8 [out, in / 2] in GGUF's order (byte j
-    of a 32-block holds elements j and j + 16, low nibble first), ``scale`` and ``zero`` float16
-    [out, in / 32] (Q4_0: ``zero = -8 * scale``)."""
-    out_features, in_features = nibbles.shape[0], 2 * nibbles.shape[1]
-    _check_blocks(nibbles, torch.uint8, scale, out_features, in_features)
-    _check_blocks(zero, torch.float16, scale, out_features, in_features)
-    packed = torch.empty(packed_bytes(LINEAR_Q4P, out_features, in_features), dtype=torch.uint8)
-    nibbles, scale, zero = nibbles.contiguous(), scale.contiguous(), zero.contiguous()
-    _library().q4p_pack(
-        nibbles.data_ptr(),
-        scale.data_ptr(),
-        zero.data_ptr(),
-        out_features,
-        in_features,
-        packed.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return packed
-
-
-def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``LINEAR_Q8P`` bytes of Q8_0 blocks: ``q`` int8 [out, in], ``scale`` float16 [out, in / 32]."""
-    out_features, in_features = q.shape
-    _check_blocks(q, torch.int8, scale, out_features, in_features)
-    packed = torch.empty(packed_bytes(LINEAR_Q8P, out_features, in_features), dtype=torch.uint8)
-    q, scale = q.contiguous(), scale.contiguous()
-    _library().q8p_pack(
-        q.data_ptr(),
-        scale.data_ptr(),
+def pack(
+    kind: int, values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``kind``'s bytes of GGUF blocks, ``scale`` (and ``zero``) float16 [out, in / 32]:
+    ``LINEAR_Q4P`` of ``values`` uint8 nibbles [out, in / 2] in GGUF's order (byte j of a
+    32-block holds elements j and j + 16, low nibble first) and ``zero`` (Q4_0: ``-8 * scale``);
+    ``LINEAR_Q8P`` of ``values`` int8 [out, in]."""
+    q4 = kind == LINEAR_Q4P
+    out_features, in_features = values.shape[0], values.shape[1] * (2 if q4 else 1)
+    _check_blocks(values, torch.uint8 if q4 else torch.int8, scale, out_features, in_features)
+    if q4:
+        _check_blocks(zero, torch.float16, scale, out_features, in_features)
+    packed = torch.empty(packed_bytes(kind, out_features, in_features), dtype=torch.uint8)
+    blocks = [t.contiguous() for t in (values, scale, zero if q4 else None) if t is not None]
+    getattr(_library(), "q4p_pack" if q4 else "q8p_pack")(
+        *(t.data_ptr() for t in blocks),
         out_features,
         in_features,
         packed.data_ptr(),

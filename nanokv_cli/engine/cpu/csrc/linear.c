@@ -24,41 +24,25 @@ static inline float hsum8(__m256 v) {
 #define PF 128
 #endif
 /* Four output rows o..o+3 of one input row: out[r] = W[o + r] . x (no bias). */
-static void rows4_f32(const Linear *L, int64_t o, const float *x, float out[4]) {
+static inline __attribute__((always_inline)) void rows4_f32(const Linear *L, int64_t o,
+                                                             const float *x, float out[4]) {
     const int64_t in = L->in;
     const float *w = (const float *)L->weight + o * in;
     int64_t d = 0;
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    for (int r = 0; r < 4; r++) out[r] = 0.0f;
 #ifdef __AVX2__
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 a[4], b[4]; /* two chains per output row */
+    for (int r = 0; r < 4; r++) a[r] = b[r] = _mm256_setzero_ps();
     for (; d + 16 <= in; d += 16) {
-        _mm_prefetch((const char *)(w + d + PF), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + in + d + PF), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 2 * in + d + PF), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + 3 * in + d + PF), _MM_HINT_T0);
+        for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w + r * in + d + PF), _MM_HINT_T0);
         const __m256 x0 = _mm256_loadu_ps(x + d), x1 = _mm256_loadu_ps(x + d + 8);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + d), x0, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + in + d), x0, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * in + d), x0, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * in + d), x0, a3);
-        b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + d + 8), x1, b0);
-        b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + in + d + 8), x1, b1);
-        b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * in + d + 8), x1, b2);
-        b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * in + d + 8), x1, b3);
+        for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * in + d), x0, a[r]);
+        for (int r = 0; r < 4; r++) b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * in + d + 8), x1, b[r]);
     }
-    s0 = hsum8(_mm256_add_ps(a0, b0));
-    s1 = hsum8(_mm256_add_ps(a1, b1));
-    s2 = hsum8(_mm256_add_ps(a2, b2));
-    s3 = hsum8(_mm256_add_ps(a3, b3));
+    for (int r = 0; r < 4; r++) out[r] = hsum8(_mm256_add_ps(a[r], b[r]));
 #endif
-    for (; d < in; d++) {
-        s0 += w[d] * x[d];
-        s1 += w[in + d] * x[d];
-        s2 += w[2 * in + d] * x[d];
-        s3 += w[3 * in + d] * x[d];
-    }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    for (; d < in; d++)
+        for (int r = 0; r < 4; r++) out[r] += w[r * in + d] * x[d];
 }
 
 typedef struct {

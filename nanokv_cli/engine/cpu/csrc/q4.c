@@ -197,12 +197,8 @@ static inline __attribute__((always_inline)) void q4p_tile_generic(
 #endif
 
 #ifdef Q4P_AVX2
-/* AVX2, for R = 1..6 rows. Row r keeps two accumulators (ymm 2r and 2r + 1: outputs 0-7 and
-   8-15); ymm12 and ymm13 hold a step's two weight vectors, ymm14 a broadcast of inputs, ymm15 a
-   product. Six rows fill the 16 vector registers, which gcc does not manage without spilling
-   (nor fewer rows without reordering the sums into spills): hence assembly. Every row count
-   runs the same operations per row in the same order, so a row's result does not depend on its
-   batch.
+#include "tiles_avx2.h"
+/* AVX2, for R = 1..6 rows, in the registers and assembly of tiles_avx2.h.
    int8 inputs: a step is 4 inputs; one 32-byte load, an and, a shift and an and give its two
    weight vectors (8 outputs' next 4 weights each) for vpmaddubsw, whose pairs are at most
    2 * 15 * 127 = 3810, so a block's 8 steps sum exactly in 16 bits (30480 < 32767) before one
@@ -214,59 +210,7 @@ static inline __attribute__((always_inline)) void q4p_tile_generic(
    an and with 0x000F gives L alone. Row r sums (L x) into ymm 2r and ((L + 16 H) x) into
    ymm 2r + 1, which a block's end turns into (H x) = (that - (L x)) / 16: one and per half
    step fewer than unpacking L and H, and no shuffle. All exact in int32 (32 * 255 * 32767 <
-   2^31).
-   Row r's inputs are read at x0 + r * xs (r < 3) or x3 + (r - 3) * xs, its (d, s) pairs at d0
-   or d3 likewise (an x86 address takes a base, an index scaled by 1, 2, 4 or 8, and an offset).
-   ROWS_R(ROW, xo) lists rows 0..R-1 as ROW(address of the inputs at byte offset xo, a, b). */
-#define Q4P_ROWS_1(ROW, xo) ROW(#xo "(%[x0])", 0, 1)
-#define Q4P_ROWS_2(ROW, xo) Q4P_ROWS_1(ROW, xo) ROW(#xo "(%[x0],%[xs],1)", 2, 3)
-#define Q4P_ROWS_3(ROW, xo) Q4P_ROWS_2(ROW, xo) ROW(#xo "(%[x0],%[xs],2)", 4, 5)
-#define Q4P_ROWS_4(ROW, xo) Q4P_ROWS_3(ROW, xo) ROW(#xo "(%[x3])", 6, 7)
-#define Q4P_ROWS_5(ROW, xo) Q4P_ROWS_4(ROW, xo) ROW(#xo "(%[x3],%[xs],1)", 8, 9)
-#define Q4P_ROWS_6(ROW, xo) Q4P_ROWS_5(ROW, xo) ROW(#xo "(%[x3],%[xs],2)", 10, 11)
-/* LO_R(HALF) and HI_R(HALF) list rows 0..R-1 as HALF(address of (d, s), accumulator, sums)
-   for outputs 0-7 and 8-15. The sums stay in memory (an offset into sums) for 4-6 rows, and in
-   the registers the accumulators leave free for 1-3 rows: a block's chain of two fused
-   multiply-adds then does not wait on a store's forwarding to the next block's load. */
-#define Q4P_LO_1(H) H("(%[d0])", 0, 2)
-#define Q4P_HI_1(H) H("(%[d0])", 1, 3)
-#define Q4P_LO_2(H) H("(%[d0])", 0, 4) H("(%[d0],%[dst],1)", 2, 6)
-#define Q4P_HI_2(H) H("(%[d0])", 1, 5) H("(%[d0],%[dst],1)", 3, 7)
-#define Q4P_LO_3(H) H("(%[d0])", 0, 6) H("(%[d0],%[dst],1)", 2, 8) H("(%[d0],%[dst],2)", 4, 10)
-#define Q4P_HI_3(H) H("(%[d0])", 1, 7) H("(%[d0],%[dst],1)", 3, 9) H("(%[d0],%[dst],2)", 5, 11)
-#define Q4P_LO_4(H) H("(%[d0])", 0, 0) H("(%[d0],%[dst],1)", 2, 64) H("(%[d0],%[dst],2)", 4, 128) \
-                    H("(%[d3])", 6, 192)
-#define Q4P_HI_4(H) H("(%[d0])", 1, 32) H("(%[d0],%[dst],1)", 3, 96) H("(%[d0],%[dst],2)", 5, 160) \
-                    H("(%[d3])", 7, 224)
-#define Q4P_LO_5(H) Q4P_LO_4(H) H("(%[d3],%[dst],1)", 8, 256)
-#define Q4P_HI_5(H) Q4P_HI_4(H) H("(%[d3],%[dst],1)", 9, 288)
-#define Q4P_LO_6(H) Q4P_LO_5(H) H("(%[d3],%[dst],2)", 10, 320)
-#define Q4P_HI_6(H) Q4P_HI_5(H) H("(%[d3],%[dst],2)", 11, 352)
-/* the sum registers of 1-3 rows: zeroed before the first block, stored after the last */
-#define Q4P_ZERO_1 "vpxor %%xmm2, %%xmm2, %%xmm2\n\tvpxor %%xmm3, %%xmm3, %%xmm3\n\t"
-#define Q4P_ZERO_2 "vpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t" \
-                   "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\t"
-#define Q4P_ZERO_3 "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\t" \
-                   "vpxor %%xmm8, %%xmm8, %%xmm8\n\tvpxor %%xmm9, %%xmm9, %%xmm9\n\t" \
-                   "vpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
-#define Q4P_STORE_1 "vmovups %%ymm2, (%[s])\n\tvmovups %%ymm3, 32(%[s])\n\t"
-#define Q4P_STORE_2 "vmovups %%ymm4, (%[s])\n\tvmovups %%ymm5, 32(%[s])\n\t" \
-                    "vmovups %%ymm6, 64(%[s])\n\tvmovups %%ymm7, 96(%[s])\n\t"
-#define Q4P_STORE_3 "vmovups %%ymm6, (%[s])\n\tvmovups %%ymm7, 32(%[s])\n\t" \
-                    "vmovups %%ymm8, 64(%[s])\n\tvmovups %%ymm9, 96(%[s])\n\t"    \
-                    "vmovups %%ymm10, 128(%[s])\n\tvmovups %%ymm11, 160(%[s])\n\t"
-#define Q4P_ZERO_4 ""
-#define Q4P_ZERO_5 ""
-#define Q4P_ZERO_6 ""
-#define Q4P_STORE_4 ""
-#define Q4P_STORE_5 ""
-#define Q4P_STORE_6 ""
-#define Q4P_HALF_1 Q4P_HALF_REG
-#define Q4P_HALF_2 Q4P_HALF_REG
-#define Q4P_HALF_3 Q4P_HALF_REG
-#define Q4P_HALF_4 Q4P_HALF_MEM
-#define Q4P_HALF_5 Q4P_HALF_MEM
-#define Q4P_HALF_6 Q4P_HALF_MEM
+   2^31). A row's scales are its (d, s) pairs. */
 /* int8: row r's next 4 inputs times both weight vectors; a block's first step sets the 16-bit
    accumulators a and b, later steps add to them */
 #define Q4P_FIRST(xaddr, a, b)                                                 \
@@ -290,22 +234,11 @@ static inline __attribute__((always_inline)) void q4p_tile_generic(
     "vpand %[low], %%ymm13, %%ymm13\n\t"                                       \
     ROWS(ROW, xo)
 #define Q4P_BLOCK8(R)                                                                            \
-    Q4P_STEP(Q4P_ROWS_##R, Q4P_FIRST, 0, 0) Q4P_STEP(Q4P_ROWS_##R, Q4P_NEXT, 4, 32)             \
-    Q4P_STEP(Q4P_ROWS_##R, Q4P_NEXT, 8, 64) Q4P_STEP(Q4P_ROWS_##R, Q4P_NEXT, 12, 96)            \
-    Q4P_STEP(Q4P_ROWS_##R, Q4P_NEXT, 16, 128) Q4P_STEP(Q4P_ROWS_##R, Q4P_NEXT, 20, 160)         \
-    Q4P_STEP(Q4P_ROWS_##R, Q4P_NEXT, 24, 192) Q4P_STEP(Q4P_ROWS_##R, Q4P_NEXT, 28, 224)         \
-    Q4P_ROWS_##R(Q4P_WIDEN, 0)
-/* int16: row r's next 2 inputs times both weight vectors, into int32 accumulators */
-#define Q4P_FIRST16(xaddr, a, b)                                               \
-    "vpbroadcastd " xaddr ", %%ymm14\n\t"                                      \
-    "vpmaddwd %%ymm12, %%ymm14, %%ymm" #a "\n\t"                               \
-    "vpmaddwd %%ymm13, %%ymm14, %%ymm" #b "\n\t"
-#define Q4P_NEXT16(xaddr, a, b)                                                \
-    "vpbroadcastd " xaddr ", %%ymm14\n\t"                                      \
-    "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"                                   \
-    "vpaddd %%ymm15, %%ymm" #a ", %%ymm" #a "\n\t"                             \
-    "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t"                                   \
-    "vpaddd %%ymm15, %%ymm" #b ", %%ymm" #b "\n\t"
+    Q4P_STEP(TILE_ROWS_##R, Q4P_FIRST, 0, 0) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 4, 32)            \
+    Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 8, 64) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 12, 96)           \
+    Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 16, 128) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 20, 160)        \
+    Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 24, 192) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 28, 224)        \
+    TILE_ROWS_##R(Q4P_WIDEN, 0)
 /* ymm13 = L + 16 H, ymm12 = L of the step's inputs 0 and 2 (EVEN), or 1 and 3 (ODD) */
 #define Q4P_EVEN16(ROWS, ROW, xo, wo)                                          \
     "vmovdqu " #wo "(%[w]), %%ymm13\n\t"                                       \
@@ -318,17 +251,18 @@ static inline __attribute__((always_inline)) void q4p_tile_generic(
     "vpand %[nibble16], %%ymm13, %%ymm12\n\t"                                  \
     ROWS(ROW, xo)
 #define Q4P_STEP16(R, ROW, xo, xo2, wo)                                        \
-    Q4P_EVEN16(Q4P_ROWS_##R, ROW, xo, wo) Q4P_ODD16(Q4P_ROWS_##R, Q4P_NEXT16, xo2, wo)
+    Q4P_EVEN16(TILE_ROWS_##R, ROW, xo, wo)                                     \
+    Q4P_ODD16(TILE_ROWS_##R, TILE_MADDWD_NEXT, xo2, wo)
 /* accumulator b: (L + 16 H) x -> H x */
 #define Q4P_HIGH16(xaddr, a, b)                                                \
     "vpsubd %%ymm" #a ", %%ymm" #b ", %%ymm" #b "\n\t"                         \
     "vpsrad $4, %%ymm" #b ", %%ymm" #b "\n\t"
 #define Q4P_BLOCK16(R)                                                                           \
-    Q4P_STEP16(R, Q4P_FIRST16, 0, 4, 0) Q4P_STEP16(R, Q4P_NEXT16, 8, 12, 32)                     \
-    Q4P_STEP16(R, Q4P_NEXT16, 16, 20, 64) Q4P_STEP16(R, Q4P_NEXT16, 24, 28, 96)                  \
-    Q4P_STEP16(R, Q4P_NEXT16, 32, 36, 128) Q4P_STEP16(R, Q4P_NEXT16, 40, 44, 160)                \
-    Q4P_STEP16(R, Q4P_NEXT16, 48, 52, 192) Q4P_STEP16(R, Q4P_NEXT16, 56, 60, 224)                \
-    Q4P_ROWS_##R(Q4P_HIGH16, 0)
+    Q4P_STEP16(R, TILE_MADDWD_FIRST, 0, 4, 0) Q4P_STEP16(R, TILE_MADDWD_NEXT, 8, 12, 32)         \
+    Q4P_STEP16(R, TILE_MADDWD_NEXT, 16, 20, 64) Q4P_STEP16(R, TILE_MADDWD_NEXT, 24, 28, 96)      \
+    Q4P_STEP16(R, TILE_MADDWD_NEXT, 32, 36, 128) Q4P_STEP16(R, TILE_MADDWD_NEXT, 40, 44, 160)    \
+    Q4P_STEP16(R, TILE_MADDWD_NEXT, 48, 52, 192) Q4P_STEP16(R, TILE_MADDWD_NEXT, 56, 60, 224)    \
+    TILE_ROWS_##R(Q4P_HIGH16, 0)
 /* sums[r][half] = fma(zero, s, fma(float(acc), scale * d, sums[r][half])), the half's scale in
    ymm12 and zero in ymm13; the sums at byte offset so of %[s], or in register sr */
 #define Q4P_HALF_MEM(daddr, acc, so)                                           \
@@ -364,15 +298,15 @@ static const uint16_t q4p_byte16[16] __attribute__((aligned(32))) = {
         uintptr_t d0 = (uintptr_t)ds, d3 = d0 + 3 * 4 * (uintptr_t)ds_stride;                    \
         const int64_t xs = x_stride, dst = 4 * ds_stride;                                        \
         __asm__ volatile(                                                                        \
-            Q4P_ZERO_##R                                                                         \
+            TILE_ZERO_##R                                                                        \
             "1:\n\t"                                                                             \
             BLOCK(R)                                                                             \
             "vcvtph2ps 256(%[w]), %%ymm12\n\t"                                                   \
             "vcvtph2ps 288(%[w]), %%ymm13\n\t"                                                   \
-            Q4P_LO_##R(Q4P_HALF_##R)                                                             \
+            TILE_LO_##R(TILE_HALF_##R(Q4P_HALF_REG, Q4P_HALF_MEM))                               \
             "vcvtph2ps 272(%[w]), %%ymm12\n\t"                                                   \
             "vcvtph2ps 304(%[w]), %%ymm13\n\t"                                                   \
-            Q4P_HI_##R(Q4P_HALF_##R)                                                             \
+            TILE_HI_##R(TILE_HALF_##R(Q4P_HALF_REG, Q4P_HALF_MEM))                               \
             "addq $320, %[w]\n\t"                                                                \
             "addq $" #xbytes ", %[x0]\n\t"                                                       \
             "addq $" #xbytes ", %[x3]\n\t"                                                       \
@@ -380,8 +314,8 @@ static const uint16_t q4p_byte16[16] __attribute__((aligned(32))) = {
             "addq $8, %[d3]\n\t"                                                                 \
             "decq %[blocks]\n\t"                                                                 \
             "jnz 1b\n\t"                                                                         \
-            Q4P_STORE_##R                                                                        \
-            : [w] "+r"(panel), [x0] "+r"(x0), [x3] "+r"(x3), [d0] "+r"(d0), [d3] "+r"(d3),      \
+            TILE_STORE_##R                                                                       \
+            : [w] "+r"(panel), [x0] "+r"(x0), [x3] "+r"(x3), [d0] "+r"(d0), [d3] "+r"(d3),       \
               [blocks] "+r"(blocks)                                                              \
             : [xs] "r"(xs), [dst] "r"(dst), [s] "r"(sums), [ones] "m"(q4p_ones),                 \
               [low] "m"(q4p_low), [nibble16] "m"(q4p_nibble16), [byte16] "m"(q4p_byte16)         \
@@ -408,9 +342,9 @@ Q4P_TILE_AVX2(q4p_tile16_avx2, 6, Q4P_BLOCK16, 64)
    int8 inputs: one vpdpbusd per row adds their products with a broadcast of the row's next 4
    inputs into 16 int32 sums. int16 inputs: an and and a shift make them int16 pairs (inputs
    0 and 2, 1 and 3, as the rows hold them), and two vpdpwssd per row add their products with
-   broadcasts of the row's input pairs. The same function serves every row count, so a row's operations do not depend on its
-   batch; the float steps are those of the AVX2 tiles, and the integer sums are exact, so the
-   results are the same bits as the AVX2 build's. */
+   broadcasts of the row's input pairs. The same function serves every row count, so a row's
+   operations do not depend on its batch; the float steps are those of the AVX2 tiles, and the
+   integer sums are exact, so the results are the same bits as the AVX2 build's. */
 /* acc + the products of w's int16 pairs with the pair at p, broadcast: vpdpwssd with an
    embedded broadcast, one instruction where gcc emits a broadcast and a vpdpwssd. */
 static inline __attribute__((always_inline)) __m512i q4p_dpwssd_broadcast(__m512i acc, __m512i w,

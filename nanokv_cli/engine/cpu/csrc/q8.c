@@ -109,69 +109,9 @@ static void q8p_tile_generic(const int16_t *x, int64_t x_stride, const float *d,
 #endif
 
 #ifdef Q8P_AVX2
-/* AVX2: vpmaddwd of int16 input pairs with the weights sign-extended to int16, for R = 1..6
-   rows, in assembly for the reasons given in q4.c (whose layout of rows and registers this
-   follows: row r's int32 accumulators in ymm 2r and 2r + 1, a step's two weight vectors in
-   ymm12 and ymm13, a broadcast pair of inputs in ymm14, a product in ymm15). Every row count
-   runs the same operations per row in the same order. */
-#define Q8P_ROWS_1(ROW, xo) ROW(#xo "(%[x0])", 0, 1)
-#define Q8P_ROWS_2(ROW, xo) Q8P_ROWS_1(ROW, xo) ROW(#xo "(%[x0],%[xs],1)", 2, 3)
-#define Q8P_ROWS_3(ROW, xo) Q8P_ROWS_2(ROW, xo) ROW(#xo "(%[x0],%[xs],2)", 4, 5)
-#define Q8P_ROWS_4(ROW, xo) Q8P_ROWS_3(ROW, xo) ROW(#xo "(%[x3])", 6, 7)
-#define Q8P_ROWS_5(ROW, xo) Q8P_ROWS_4(ROW, xo) ROW(#xo "(%[x3],%[xs],1)", 8, 9)
-#define Q8P_ROWS_6(ROW, xo) Q8P_ROWS_5(ROW, xo) ROW(#xo "(%[x3],%[xs],2)", 10, 11)
-/* rows 0..R-1 as HALF(address of d, accumulator, sums) for outputs 0-7 (LO) and 8-15 (HI): the
-   sums in memory for 4-6 rows, in free registers for 1-3 (see q4.c) */
-#define Q8P_LO_1(H) H("(%[d0])", 0, 2)
-#define Q8P_HI_1(H) H("(%[d0])", 1, 3)
-#define Q8P_LO_2(H) H("(%[d0])", 0, 4) H("(%[d0],%[dst],1)", 2, 6)
-#define Q8P_HI_2(H) H("(%[d0])", 1, 5) H("(%[d0],%[dst],1)", 3, 7)
-#define Q8P_LO_3(H) H("(%[d0])", 0, 6) H("(%[d0],%[dst],1)", 2, 8) H("(%[d0],%[dst],2)", 4, 10)
-#define Q8P_HI_3(H) H("(%[d0])", 1, 7) H("(%[d0],%[dst],1)", 3, 9) H("(%[d0],%[dst],2)", 5, 11)
-#define Q8P_LO_4(H) H("(%[d0])", 0, 0) H("(%[d0],%[dst],1)", 2, 64) H("(%[d0],%[dst],2)", 4, 128) \
-                    H("(%[d3])", 6, 192)
-#define Q8P_HI_4(H) H("(%[d0])", 1, 32) H("(%[d0],%[dst],1)", 3, 96) H("(%[d0],%[dst],2)", 5, 160) \
-                    H("(%[d3])", 7, 224)
-#define Q8P_LO_5(H) Q8P_LO_4(H) H("(%[d3],%[dst],1)", 8, 256)
-#define Q8P_HI_5(H) Q8P_HI_4(H) H("(%[d3],%[dst],1)", 9, 288)
-#define Q8P_LO_6(H) Q8P_LO_5(H) H("(%[d3],%[dst],2)", 10, 320)
-#define Q8P_HI_6(H) Q8P_HI_5(H) H("(%[d3],%[dst],2)", 11, 352)
-#define Q8P_ZERO_1 "vpxor %%xmm2, %%xmm2, %%xmm2\n\tvpxor %%xmm3, %%xmm3, %%xmm3\n\t"
-#define Q8P_ZERO_2 "vpxor %%xmm4, %%xmm4, %%xmm4\n\tvpxor %%xmm5, %%xmm5, %%xmm5\n\t" \
-                   "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\t"
-#define Q8P_ZERO_3 "vpxor %%xmm6, %%xmm6, %%xmm6\n\tvpxor %%xmm7, %%xmm7, %%xmm7\n\t" \
-                   "vpxor %%xmm8, %%xmm8, %%xmm8\n\tvpxor %%xmm9, %%xmm9, %%xmm9\n\t" \
-                   "vpxor %%xmm10, %%xmm10, %%xmm10\n\tvpxor %%xmm11, %%xmm11, %%xmm11\n\t"
-#define Q8P_STORE_1 "vmovups %%ymm2, (%[s])\n\tvmovups %%ymm3, 32(%[s])\n\t"
-#define Q8P_STORE_2 "vmovups %%ymm4, (%[s])\n\tvmovups %%ymm5, 32(%[s])\n\t" \
-                    "vmovups %%ymm6, 64(%[s])\n\tvmovups %%ymm7, 96(%[s])\n\t"
-#define Q8P_STORE_3 "vmovups %%ymm6, (%[s])\n\tvmovups %%ymm7, 32(%[s])\n\t" \
-                    "vmovups %%ymm8, 64(%[s])\n\tvmovups %%ymm9, 96(%[s])\n\t"    \
-                    "vmovups %%ymm10, 128(%[s])\n\tvmovups %%ymm11, 160(%[s])\n\t"
-#define Q8P_ZERO_4 ""
-#define Q8P_ZERO_5 ""
-#define Q8P_ZERO_6 ""
-#define Q8P_STORE_4 ""
-#define Q8P_STORE_5 ""
-#define Q8P_STORE_6 ""
-#define Q8P_HALF_1 Q8P_HALF_REG
-#define Q8P_HALF_2 Q8P_HALF_REG
-#define Q8P_HALF_3 Q8P_HALF_REG
-#define Q8P_HALF_4 Q8P_HALF_MEM
-#define Q8P_HALF_5 Q8P_HALF_MEM
-#define Q8P_HALF_6 Q8P_HALF_MEM
-/* row r's next pair of inputs times both weight vectors: a block's first step sets the
-   accumulators a and b, later steps add to them */
-#define Q8P_FIRST(xaddr, a, b)                                                 \
-    "vpbroadcastd " xaddr ", %%ymm14\n\t"                                      \
-    "vpmaddwd %%ymm12, %%ymm14, %%ymm" #a "\n\t"                               \
-    "vpmaddwd %%ymm13, %%ymm14, %%ymm" #b "\n\t"
-#define Q8P_NEXT(xaddr, a, b)                                                  \
-    "vpbroadcastd " xaddr ", %%ymm14\n\t"                                      \
-    "vpmaddwd %%ymm12, %%ymm14, %%ymm15\n\t"                                   \
-    "vpaddd %%ymm15, %%ymm" #a ", %%ymm" #a "\n\t"                             \
-    "vpmaddwd %%ymm13, %%ymm14, %%ymm15\n\t"                                   \
-    "vpaddd %%ymm15, %%ymm" #b ", %%ymm" #b "\n\t"
+#include "tiles_avx2.h"
+/* AVX2, for R = 1..6 rows, in the registers and assembly of tiles_avx2.h: vpmaddwd of int16
+   input pairs with the weights sign-extended to int16. A row's scales are its d. */
 #define Q8P_STEP(ROWS, ROW, xo, wo)                                            \
     "vpmovsxbw " #wo "(%[w]), %%ymm12\n\t"                                     \
     "vpmovsxbw " #wo "+16(%[w]), %%ymm13\n\t"                                  \
@@ -192,9 +132,11 @@ static void q8p_tile_generic(const int16_t *x, int64_t x_stride, const float *d,
 /* sums[R][16] (zeroed) += R rows x one panel. A block is a first step, then three turns of
    five: */
 #define Q8P_FIVE(R)                                                                             \
-    Q8P_STEP(Q8P_ROWS_##R, Q8P_NEXT, 0, 0) Q8P_STEP(Q8P_ROWS_##R, Q8P_NEXT, 4, 32)              \
-    Q8P_STEP(Q8P_ROWS_##R, Q8P_NEXT, 8, 64) Q8P_STEP(Q8P_ROWS_##R, Q8P_NEXT, 12, 96)            \
-    Q8P_STEP(Q8P_ROWS_##R, Q8P_NEXT, 16, 128)
+    Q8P_STEP(TILE_ROWS_##R, TILE_MADDWD_NEXT, 0, 0)                                             \
+    Q8P_STEP(TILE_ROWS_##R, TILE_MADDWD_NEXT, 4, 32)                                            \
+    Q8P_STEP(TILE_ROWS_##R, TILE_MADDWD_NEXT, 8, 64)                                            \
+    Q8P_STEP(TILE_ROWS_##R, TILE_MADDWD_NEXT, 12, 96)                                           \
+    Q8P_STEP(TILE_ROWS_##R, TILE_MADDWD_NEXT, 16, 128)
 #define Q8P_TILE_AVX2(R)                                                                         \
     static void q8p_tile_avx2_##R(const int16_t *x, int64_t x_stride, const float *d,            \
                                   int64_t d_stride, const uint8_t *panel, int64_t blocks,        \
@@ -205,9 +147,9 @@ static void q8p_tile_generic(const int16_t *x, int64_t x_stride, const float *d,
         const int64_t xs = 2 * x_stride, dst = 4 * d_stride;                                     \
         int64_t turns;                                                                           \
         __asm__ volatile(                                                                        \
-            Q8P_ZERO_##R                                                                         \
+            TILE_ZERO_##R                                                                        \
             "1:\n\t"                                                                             \
-            Q8P_STEP(Q8P_ROWS_##R, Q8P_FIRST, 0, 0)                                              \
+            Q8P_STEP(TILE_ROWS_##R, TILE_MADDWD_FIRST, 0, 0)                                     \
             "addq $32, %[w]\n\t"                                                                 \
             "addq $4, %[x0]\n\t"                                                                 \
             "addq $4, %[x3]\n\t"                                                                 \
@@ -221,15 +163,15 @@ static void q8p_tile_generic(const int16_t *x, int64_t x_stride, const float *d,
             "jnz 2b\n\t"                                                                         \
             /* %[w] is at the record's scales, %[x0] and %[x3] at the next block */             \
             "vcvtph2ps (%[w]), %%ymm12\n\t"                                                      \
-            Q8P_LO_##R(Q8P_HALF_##R)                                                             \
+            TILE_LO_##R(TILE_HALF_##R(Q8P_HALF_REG, Q8P_HALF_MEM))                               \
             "vcvtph2ps 16(%[w]), %%ymm12\n\t"                                                    \
-            Q8P_HI_##R(Q8P_HALF_##R)                                                             \
+            TILE_HI_##R(TILE_HALF_##R(Q8P_HALF_REG, Q8P_HALF_MEM))                               \
             "addq $32, %[w]\n\t"                                                                 \
             "addq $4, %[d0]\n\t"                                                                 \
             "addq $4, %[d3]\n\t"                                                                 \
             "decq %[blocks]\n\t"                                                                 \
             "jnz 1b\n\t"                                                                         \
-            Q8P_STORE_##R                                                                        \
+            TILE_STORE_##R                                                                       \
             : [w] "+r"(panel), [x0] "+r"(x0), [x3] "+r"(x3), [d0] "+r"(d0), [d3] "+r"(d3),      \
               [blocks] "+r"(blocks), [turns] "=&r"(turns)                                        \
             : [xs] "r"(xs), [dst] "r"(dst), [s] "r"(sums)                                        \
