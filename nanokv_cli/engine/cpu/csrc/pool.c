@@ -113,10 +113,11 @@ static void *helper_main(void *arg) {
             pthread_mutex_unlock(&pool.lock);
         }
         seen = generation;
-        /* a job being written is a few stores away: wait for it rather than skip it */
-        while (atomic_load_explicit(&pool.claim, memory_order_acquire) ==
-               ((uint64_t)generation << 32 | CLOSED))
-            poll_pause(1);
+        /* a job being written is a few stores away: wait for it rather than skip it, yielding
+           as other polls do, in case its caller lost the core mid-write */
+        for (int spin = 1; atomic_load_explicit(&pool.claim, memory_order_acquire) ==
+                           ((uint64_t)generation << 32 | CLOSED); spin++)
+            poll_pause(spin);
         if (index < atomic_load_explicit(&pool.helpers, memory_order_relaxed)) work_on(generation);
     }
     return NULL;
