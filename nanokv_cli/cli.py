@@ -405,7 +405,10 @@ def engine_config_from_flags(
     try:
         return EngineConfig(**{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        # EngineConfig's messages start with the setting's name: name its flag instead.
+        name = re.match(r"\w+", str(e))
+        flag = f"--{name.group().replace('_', '-')}" if name and name.group() in given else None
+        raise typer.BadParameter(str(e), param_hint=flag) from None
 
 
 def make_llm(model: str | None, config: EngineConfig):
@@ -416,6 +419,12 @@ def make_llm(model: str | None, config: EngineConfig):
     if llm.rank != 0:
         # A torchrun worker rank: LLM() returned once rank 0 finished; it has nothing to print.
         raise typer.Exit(0)
+    if llm.model_runner.device.type == "cpu":
+        from .engine.cpu import kernels
+
+        status = kernels.status()
+        if status.lib is None and not status.switched_off:
+            print(f"nanokv: note: {status.missing} (`nanokv doctor` says more)", file=sys.stderr)
     return llm
 
 
@@ -1473,6 +1482,32 @@ def _inspect_prompts(
 
     console = stdout_console()
     console.print(render_prompt_map(info, texts, console.width, decode, token_lists))
+
+
+@app.command()
+def doctor(json_out: JsonOpt = False) -> None:
+    """Check this install and machine: kernels, compiler, threads, memory, model.
+
+    Each line says `ok`, `warn` or `fail` with what to do, or `info` for an optional part.
+    The CPU kernels are loaded (built first if the cache has none). Exits 1 if a line fails.
+
+    **Examples**
+
+    ```
+    nanokv doctor
+    nanokv doctor --json
+    ```
+    """
+    from .doctor import as_json, render, run_checks
+
+    with user_errors(False):
+        checks = run_checks()
+    if json_out:
+        print_json(as_json(checks))
+    else:
+        print(render(checks))
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(1)
 
 
 def _last_message(r: PromptRequest) -> str:

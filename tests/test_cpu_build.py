@@ -34,8 +34,21 @@ def test_a_forced_variant_runs_only_where_the_cpu_has_it():
 
 
 def test_each_variant_builds_its_own_library():
-    paths = {v.name: build._library_path(v) for v in build.VARIANTS}
+    compiler = build.find_compiler()
+    paths = {v.name: build.library_path(v, compiler) for v in build.VARIANTS}
     assert len(set(paths.values())) == len(paths)  # never one file for two instruction sets
+
+
+def test_another_compiler_builds_another_library(tmp_path):
+    # A compiler that reports another version (an upgraded gcc, a clang) must not be served
+    # the library of the old one.
+    other = tmp_path / "cc"
+    other.write_text("#!/bin/sh\necho 'othercc 99.1'\n")
+    other.chmod(0o755)
+    variant = build.VARIANTS[-1]
+    assert build.library_path(variant, str(other)) != build.library_path(
+        variant, build.find_compiler()
+    )
 
 
 def runnable_variants() -> list[str]:

@@ -53,7 +53,7 @@ def test_default_is_the_affinity_count(tiny):
 
 
 def test_thread_count_is_shared_among_ranks_and_bad_counts_are_refused():
-    assert EngineConfig(threads=3, tensor_parallel_size=2).thread_count() == 3
+    assert EngineConfig(threads=1, tensor_parallel_size=2).thread_count() == 1
     assert EngineConfig(tensor_parallel_size=2).thread_count() == max(1, AFFINITY // 2)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="threads must be"):

@@ -259,6 +259,14 @@ class EngineConfig:
             _check_count(name, getattr(self, name), optional=False)
         for name in _OPTIONAL_COUNTS:
             _check_count(name, getattr(self, name), optional=True)
+        if self.threads is not None and self.threads > (cpus := available_cpus()):
+            # More threads than cores only queue behind each other (and at hundreds, thread
+            # creation and per-thread buffers fail): refused, not capped, so a setting is never
+            # silently not what runs.
+            raise ValueError(
+                f"threads={self.threads}: this process may run on {cpus} CPU"
+                f"{'s' if cpus != 1 else ''} (its affinity mask); use at most {cpus}"
+            )
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, Real) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
@@ -269,15 +277,20 @@ class EngineConfig:
         tensor-parallel ranks, which all run on this machine."""
         if self.threads is not None:
             return self.threads
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):  # macOS and Windows have no affinity call
-            cpus = os.cpu_count() or 1
-        return max(1, cpus // self.tensor_parallel_size)
+        return max(1, available_cpus() // self.tensor_parallel_size)
 
     def model_len(self, limit: int) -> int:
         """The longest sequence (prompt + output) admitted on a model of ``limit`` positions."""
         return min(self.max_model_len or limit, limit)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, which taskset and cgroup cpusets
+    narrow (the machine's count where the platform has no affinity call)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS and Windows
+        return os.cpu_count() or 1
 
 
 # Settings that count something: integers >= 1 (the optional ones may also be None).

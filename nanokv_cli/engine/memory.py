@@ -56,8 +56,13 @@ def host_memory_limit() -> MemoryLimit | None:
     """The tightest of: the address-space limit (RLIMIT_AS, ``ulimit -v``) less the address
     space in use, the cgroup's limit (and its ancestors') less its usage, and MemAvailable.
     None when none can be read. Reads /proc and /sys only (no torch)."""
+    return min(memory_limits(), key=lambda x: x.free, default=None)
+
+
+def memory_limits() -> list[MemoryLimit]:
+    """Each limit that applies here (address space, cgroup, MemAvailable), for reports."""
     limits = (_address_space_limit(), _cgroup_limit(), _available_memory())
-    return min((x for x in limits if x is not None), key=lambda x: x.free, default=None)
+    return [x for x in limits if x is not None]
 
 
 def format_bytes(size: int) -> str:

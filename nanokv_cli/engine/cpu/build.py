@@ -1,15 +1,22 @@
 """Building and loading the CPU kernels (``csrc/*.c``): one shared library per instruction set.
 
-The kernels are compiled with the system C compiler on first use, once per source version and
-instruction-set variant, into nanokv's cache directory, and called through ctypes. Which
-variant runs is decided at run time from what this CPU reports (``/proc/cpuinfo``), not from
-the machine that built it, so a cache directory shared between an AVX2-only EPYC and an
-AVX-512 Xeon holds one library for each and neither meets the other's code.
+The kernels are compiled with the system C compiler on first use into nanokv's cache
+directory and called through ctypes. Which variant runs is decided at run time from what this
+CPU reports (``/proc/cpuinfo``), not from the machine that built it, so a cache directory
+shared between an AVX2-only EPYC and an AVX-512 Xeon holds one library for each and neither
+meets the other's code.
 
-``NANOKV_CPU_ISA`` forces a variant (``generic``, ``avx2``, ``avx512``): that is how the test
-suite runs the plain-C and AVX2 paths on an AVX-512 machine. Asking for a variant this CPU
-cannot run is an error, not a silent fallback. ``NANOKV_CPU_KERNELS=0`` switches the kernels
-off: every caller then stays on torch (and quantized formats are unavailable).
+A library's file name is a digest of everything that decides its code: the sources, the
+compiler (its path and ``--version``), the flags and the CPU features the variant uses. A
+library is used only after it loads and exports every kernel the caller needs; a cached file
+that does not (an empty or truncated build, an older nanokv's) is rebuilt, never trusted.
+
+``NANOKV_CPU_ISA`` forces a variant (``generic``, ``avx2``, ``avx512``, any case): that is how
+the test suite runs the plain-C and AVX2 paths on an AVX-512 machine. Asking for a variant this
+CPU cannot run, or one that does not exist, is an error naming the valid ones, not a silent
+fallback. ``NANOKV_CPU_KERNELS=0`` switches the kernels off. Without a compiler the kernels are
+unavailable: ``kernels(...).missing`` says why, what it costs and how to fix it, and every
+caller stays on torch (and quantized formats are unavailable).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -28,6 +36,10 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).with_name("csrc")
 ISA_VARIABLE = "NANOKV_CPU_ISA"
 SWITCH_VARIABLE = "NANOKV_CPU_KERNELS"
+# What running without the kernels costs (SmolLM2-135M, one sequence: scripts/BENCHMARKS.md).
+TORCH_PATH_COST = (
+    "decoding runs about 8x slower on torch's kernels, with float32 weights (10x the memory)"
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,7 @@ VARIANTS: tuple[IsaVariant, ...] = (
     IsaVariant("avx2", ("-march=x86-64-v3",), frozenset({"avx2", "fma", "f16c", "bmi2"})),
     IsaVariant("generic", (), frozenset()),
 )
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
 # No FMA contraction (element-wise results round as torch's separate ops do); no errno or
 # trap semantics, which only block vectorisation (neither changes a result).
 _COMMON_FLAGS = (
@@ -72,6 +85,23 @@ class KernelBuildError(RuntimeError):
     """The kernels could not be built or loaded as asked."""
 
 
+class KernelVariantError(KernelBuildError, ValueError):
+    """``NANOKV_CPU_ISA`` names a variant that does not exist or that this CPU cannot run: the
+    user's setting to fix (a ValueError, so the CLI prints it as one line)."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The outcome of loading the kernels in this process."""
+
+    lib: ctypes.CDLL | None  # None: callers stay on torch
+    variant: IsaVariant
+    path: Path | None  # the library file (None where none was found or built)
+    built: bool  # compiled by this process (else taken from the cache)
+    missing: str | None  # why ``lib`` is None: what is missing, what it costs, how to fix it
+    switched_off: bool = False  # NANOKV_CPU_KERNELS=0: asked for, so no note
+
+
 def cpu_features() -> frozenset[str]:
     """The instruction-set features this CPU reports (empty where /proc/cpuinfo is missing)."""
     try:
@@ -84,22 +114,31 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
-def choose_variant(features: frozenset[str], forced: str | None = None) -> IsaVariant:
-    """The variant to run: ``forced`` (a name) if this CPU can run it, else the best it can."""
+def usable_variants(features: frozenset[str]) -> list[IsaVariant]:
+    """The variants this CPU can run, best first (``generic`` always)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    usable = [v for v in VARIANTS if v.name == "generic" or (x86 and v.requires <= features)]
-    if forced is None or forced == "":
+    return [v for v in VARIANTS if v.name == "generic" or (x86 and v.requires <= features)]
+
+
+def choose_variant(features: frozenset[str], forced: str | None = None) -> IsaVariant:
+    """The variant to run: ``forced`` (a name, any case) if this CPU can run it, else the best
+    it can."""
+    usable = usable_variants(features)
+    name = (forced or "").strip().lower()
+    if not name:
         return usable[0]
-    names = [v.name for v in VARIANTS]
-    if forced not in names:
-        raise KernelBuildError(f"{ISA_VARIABLE}={forced!r}: choose one of {', '.join(names)}")
+    runs = ", ".join(v.name for v in usable)
+    if name not in VARIANT_NAMES:
+        raise KernelVariantError(
+            f"{ISA_VARIABLE}={forced!r}: choose one of {', '.join(VARIANT_NAMES)} "
+            f"(this CPU runs {runs}), or unset it for the best"
+        )
     for variant in usable:
-        if variant.name == forced:
+        if variant.name == name:
             return variant
-    missing = sorted(next(v for v in VARIANTS if v.name == forced).requires - features)
-    raise KernelBuildError(
-        f"{ISA_VARIABLE}={forced}: this CPU lacks {', '.join(missing)}; "
-        f"it can run {', '.join(v.name for v in usable)}"
+    missing = sorted(next(v for v in VARIANTS if v.name == name).requires - features)
+    raise KernelVariantError(
+        f"{ISA_VARIABLE}={forced}: this CPU lacks {', '.join(missing)}; it can run {runs}"
     )
 
 
@@ -108,57 +147,145 @@ def active_variant() -> IsaVariant:
     return choose_variant(cpu_features(), os.environ.get(ISA_VARIABLE))
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else cc, gcc or clang on PATH."""
+    if explicit := os.environ.get("CC"):
+        return shutil.which(explicit)
+    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 @cache
-def load(variant_name: str) -> ctypes.CDLL:
-    """The kernels library for a variant, built into the cache on first use."""
-    variant = next(v for v in VARIANTS if v.name == variant_name)
-    path = _library_path(variant)
-    if not path.is_file():
-        _build(variant, path)
-    return ctypes.CDLL(str(path))
-
-
-def library() -> ctypes.CDLL | None:
-    """This process's kernels, or None where they are switched off or cannot be built (no
-    compiler, no writable cache): callers then stay on torch. A forced variant the CPU cannot
-    run raises KernelBuildError."""
-    if os.environ.get(SWITCH_VARIABLE, "1") == "0":
-        return None
-    variant = active_variant()
+def compiler_version(compiler: str) -> str:
+    """The first line of ``compiler --version`` (part of a library's identity)."""
     try:
-        return load(variant.name)
-    except (OSError, KernelBuildError, subprocess.SubprocessError):
-        return None
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"the C compiler {compiler} does not run ({e})") from None
+    lines = (result.stdout or result.stderr).strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise KernelBuildError(f"the C compiler {compiler} does not run (--version failed)")
+    return lines[0]
 
 
-def _sources() -> list[Path]:
-    return sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
+def sources() -> list[Path]:
+    """The kernels' C sources and headers; a folder without them is a broken install."""
+    found = sorted(SOURCE_DIR.glob("*.c")) + sorted(SOURCE_DIR.glob("*.h"))
+    if not any(p.suffix == ".c" for p in found):
+        raise KernelBuildError(
+            f"nanokv's CPU kernel sources are missing from {SOURCE_DIR}: "
+            "a broken install, reinstall nanokv"
+        )
+    return found
 
 
-def _library_path(variant: IsaVariant) -> Path:
+def library_path(variant: IsaVariant, compiler: str) -> Path:
+    """Where ``variant``'s library built by ``compiler`` lives in the cache."""
     from ..loader import default_cache_dir
 
     digest = hashlib.sha256()
-    for source in _sources():
+    for source in sources():
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    digest.update(repr((platform.machine(), variant.flags, _COMMON_FLAGS)).encode())
+    features = sorted(variant.requires & cpu_features())
+    identity = (
+        platform.machine(),
+        os.path.realpath(compiler),
+        compiler_version(compiler),
+        variant.flags,
+        _COMMON_FLAGS,
+        features,
+    )
+    digest.update(repr(identity).encode())
     return default_cache_dir() / "kernels" / f"nanokv-{variant.name}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(variant: IsaVariant, path: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+@cache
+def load(variant_name: str, symbols: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernels library for a variant, exporting ``symbols``: the cached build, or a new one
+    when there is none or the cached file is unusable."""
+    return _load(next(v for v in VARIANTS if v.name == variant_name), symbols)[0]
+
+
+@cache
+def kernels(symbols: tuple[str, ...] = ()) -> Kernels:
+    """This process's kernels. A forced variant the CPU cannot run raises KernelVariantError;
+    anything else that stops them (no compiler, no sources, a failed build) leaves ``lib``
+    None with the reason in ``missing``."""
+    variant = active_variant()
+    if os.environ.get(SWITCH_VARIABLE, "1") == "0":
+        return Kernels(None, variant, None, False, f"{SWITCH_VARIABLE}=0", switched_off=True)
+    try:
+        lib, path, built = _load(variant, symbols)
+    except (OSError, KernelBuildError, subprocess.SubprocessError) as e:
+        return Kernels(None, variant, None, False, _missing_note(e))
+    return Kernels(lib, variant, path, built, None)
+
+
+def library(symbols: Iterable[str] = ()) -> ctypes.CDLL | None:
+    """This process's kernels library, or None where they are off or cannot be built."""
+    return kernels(tuple(symbols)).lib
+
+
+def _missing_note(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, OSError) and e.strerror:
+        first = f"{e.filename or ''}: {e.strerror}".lstrip(": ")
+    return f"nanokv's C kernels are unavailable, so {TORCH_PATH_COST}: {first}"
+
+
+def _load(variant: IsaVariant, symbols: tuple[str, ...]) -> tuple[ctypes.CDLL, Path, bool]:
+    compiler = find_compiler()
     if compiler is None:
-        raise KernelBuildError("no C compiler (set CC, or install gcc)")
+        where = (
+            f"CC={os.environ['CC']!r} is not found"
+            if os.environ.get("CC")
+            else ("no cc, gcc or clang on PATH")
+        )
+        raise KernelBuildError(f"no C compiler ({where}): install gcc, or set CC to one")
+    path = library_path(variant, compiler)
+    if path.is_file():
+        lib, _ = _open(path, symbols)
+        if lib is not None:
+            return lib, path, False
+        path.unlink(missing_ok=True)  # empty, truncated or foreign: rebuilt below
+    return _build(variant, compiler, path, symbols), path, True
+
+
+def _open(path: Path, symbols: tuple[str, ...]) -> tuple[ctypes.CDLL | None, list[str]]:
+    """``path`` loaded if it loads and exports every symbol, else None and the symbols it lacks
+    (unloaded, so that a rebuild at the same path is not served the old handle)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None, list(symbols)
+    absent = [name for name in symbols if not hasattr(lib, name)]
+    if not absent:
+        return lib, []
+    import _ctypes
+
+    _ctypes.dlclose(lib._handle)
+    return None, absent
+
+
+def _build(variant: IsaVariant, compiler: str, path: Path, symbols: tuple[str, ...]) -> ctypes.CDLL:
     path.parent.mkdir(parents=True, exist_ok=True)
-    sources = [str(s) for s in sorted(SOURCE_DIR.glob("*.c"))]
+    c_files = [str(s) for s in sources() if s.suffix == ".c"]
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
-        command = [compiler, *variant.flags, *_COMMON_FLAGS, "-o", str(built), *sources]
-        result = subprocess.run([*command, "-lm"], capture_output=True, text=True, timeout=300)
-        if result.returncode == 0:
-            os.replace(built, path)  # atomic: a concurrent build just wins or loses
-            return
-        raise KernelBuildError(
-            f"the C compiler rejected nanokv's CPU kernels ({variant.name}):\n"
-            + result.stderr[-2000:]
-        )
+        command = [compiler, *variant.flags, *_COMMON_FLAGS, "-o", str(built), *c_files, "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            lines = result.stderr.strip().splitlines() or ["no message"]
+            first = next((line for line in lines if "error" in line), lines[0])
+            raise KernelBuildError(
+                f"the C compiler {compiler} rejected nanokv's CPU kernels ({variant.name}): "
+                f"{first.strip()}\n" + result.stderr[-2000:]
+            )
+        # Loaded under its temporary name, checked, then moved into place (atomic: a
+        # concurrent build just wins or loses): the cache never holds a library that fails.
+        lib, absent = _open(built, symbols)
+        if lib is None:
+            raise KernelBuildError(
+                f"the kernels built from {SOURCE_DIR} do not load or lack {', '.join(absent[:3])}"
+            )
+        os.replace(built, path)
+        return lib

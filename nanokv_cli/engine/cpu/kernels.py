@@ -27,9 +27,10 @@ at each call. They are compiled with
 ``-ffp-contract=off`` so that element-wise results round as torch's separate ops do; attention,
 matrix-vector products and the norm's sum of squares differ from torch's in summation order.
 
-The library is built once per source version and CPU into nanokv's cache directory (a few
-seconds). Without a compiler, or with ``NANOKV_CPU_KERNELS=0``, ``available()`` is False: every
-caller stays on its torch path and quantization is unavailable.
+The library is built once per source version, compiler and CPU into nanokv's cache directory (a
+few seconds; ``build.py``). Without a compiler, or with ``NANOKV_CPU_KERNELS=0``, ``available()``
+is False and ``status().missing`` says why: every caller stays on its torch path and
+quantization is unavailable.
 """
 
 from __future__ import annotations
@@ -546,9 +547,15 @@ def _plan(lives: dict[int, list[int]]) -> tuple[dict[int, int], int]:
     return offsets, size_needed
 
 
+def status() -> build.Kernels:
+    """How the kernels loaded in this process: the variant, the library file, or why they are
+    unavailable (``missing``: what, what it costs, how to fix it)."""
+    return build.kernels(tuple(_SIGNATURES))
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
-    lib = build.library()
+    lib = status().lib
     if lib is None:
         return None  # switched off, or no compiler: the torch paths serve
     for name, (argtypes, restype) in _SIGNATURES.items():
