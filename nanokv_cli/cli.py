@@ -161,8 +161,10 @@ def parse_rate(value: str | None) -> float | None:
 def sampling_defaults(**fields: Any) -> SamplingParams:
     try:
         return SamplingParams(**fields)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+    except (TypeError, ValueError) as e:  # the message starts with the field: name its flag
+        name = str(e).split(" ", 1)[0]
+        flag = f"--{name.replace('_', '-')}" if name in fields else None
+        raise typer.BadParameter(str(e), param_hint=flag) from None
 
 
 def want_live(live: bool | None, json_out: bool) -> bool:

@@ -720,8 +720,6 @@ class ServerState:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        if body.seed is not None and not -(2**63) <= body.seed < 2**64:
-            raise ApiError(400, "seed must fit in 64 bits", param="seed")
         top_k = body.top_k if body.top_k is not None else 0
         if top_k == -1:  # vLLM's "no cut"
             top_k = 0
@@ -734,7 +732,7 @@ class ServerState:
                 seed=body.seed,
                 ignore_eos=body.ignore_eos,
             )
-        except ValueError as e:
+        except (TypeError, ValueError) as e:  # SamplingParams names the field first
             param = str(e).split(" ", 1)[0]
             raise ApiError(400, str(e), param=param) from None
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])

@@ -115,8 +115,8 @@ def test_detect_format_from_content(tmp_path, name, text, fmt):
             "line 2: temperature must be >= 0",
         ),
         ('{"prompt": "a"}\n{"prompt": "b", "max_tokens": 0}\n', "line 2: max_tokens must be"),
-        ('{"prompt": "a"}\n{"prompt": "b", "top_p": "x"}\n', "line 2: 'top_p' must be a number"),
-        ('{"prompt": "a", "ignore_eos": 1}\n', "line 1: 'ignore_eos' must be true or false"),
+        ('{"prompt": "a"}\n{"prompt": "b", "top_p": "x"}\n', "line 2: top_p must be a number"),
+        ('{"prompt": "a", "ignore_eos": 1}\n', "line 1: ignore_eos must be a boolean"),
         ('{"prompt": "a"}\n{"prompt": "b", "timestamp": -1}\n', "line 2: 'timestamp' must be"),
     ],
 )

@@ -251,6 +251,9 @@ BAD_INPUTS = [
     ("/v1/completions", {**OK_PROMPT, "max_tokens": 10**30}, 400, "max_tokens"),
     ("/v1/completions", {**OK_PROMPT, "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {**OK_PROMPT, "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {**OK_PROMPT, "seed": -(2**63) - 1}, 400, "seed"),
+    ("/v1/completions", {**OK_PROMPT, "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {**OK_PROMPT, "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {**OK_PROMPT, "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {**OK_PROMPT, "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {**OK_PROMPT, "stop": [""]}, 400, "stop"),
@@ -283,6 +286,25 @@ def test_bad_input_gets_an_openai_error(server, path, body, status, param):
     assert error["type"] == "invalid_request_error" and error["message"]
     if param is not None:
         assert (error["param"] or "").split(".")[0] == param, error
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_non_finite_number_gets_400_naming_its_field(server, field):
+    # Python's json reads 1e999 as infinity: refused, not sampled with.
+    raw = b'{"model": "tiny", "prompt": "Hello", "max_tokens": 2, "%s": 1e999}' % field.encode()
+    r = post(server, "/v1/completions", None, raw=raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_a_tiny_temperature_is_greedy(client):
+    args = dict(model="tiny", prompt=[5, 6, 7, 8], max_tokens=8)
+    greedy = client.completions.create(**args, temperature=0).choices[0].text
+    for tiny_temperature in (1e-40, 1e-300):
+        assert (
+            client.completions.create(**args, temperature=tiny_temperature).choices[0].text
+            == greedy
+        )
 
 
 @pytest.mark.parametrize(

@@ -259,6 +259,9 @@ class EngineConfig:
             _check_count(name, getattr(self, name), optional=False)
         for name in _OPTIONAL_COUNTS:
             _check_count(name, getattr(self, name), optional=True)
+        for name in _SWITCHES:
+            if not isinstance(getattr(self, name), bool):  # "yes" and 0 are not switches
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.threads is not None and self.threads > (cpus := available_cpus()):
             # More threads than cores only queue behind each other (and at hundreds, thread
             # creation and per-thread buffers fail): refused, not capped, so a setting is never
@@ -296,6 +299,7 @@ def available_cpus() -> int:
 # Settings that count something: integers >= 1 (the optional ones may also be None).
 _COUNTS = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
 _OPTIONAL_COUNTS = ("num_blocks", "kv_cache_memory", "max_model_len", "threads")
+_SWITCHES = ("enable_prefix_caching", "enforce_eager")
 
 
 def _check_count(name: str, value: Any, *, optional: bool) -> None:
