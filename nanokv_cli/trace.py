@@ -60,6 +60,7 @@ from .engine.events import (
     event_from_dict,
     event_to_dict,
 )
+from .engine.mooncake import MAX_LINE_CHARS as MOONCAKE_LINE_CHARS
 from .paths import kind_of, open_output
 
 TRACE_FORMAT = "nanokv-trace"
@@ -105,6 +106,32 @@ MAX_NUM_BLOCKS = 1 << 24
 MAX_BLOCK_SIZE = 1 << 20
 MAX_HEADER_CHARS = 1 << 20  # a version-1 header line is a few hundred
 
+# Reading has budgets, not hopes: a file can declare anything, so each limit is checked before
+# the allocation it guards. Each is far above what a recording holds; the figures are of the
+# 12,000-request Mooncake conversation trace (block size 512, 8,000 blocks): 66 MB, 31,031
+# steps, 1.1 million events, 145 million prompt tokens.
+MAX_HEADER_BYTES = 1 << 16  # a header, decompressed: a written one is about 200 bytes
+MAX_HEADER_STRING = 4096  # PATH_MAX: the longest model or source path a header names
+MAX_RECORD_BYTES = 1 << 28  # any other record, decompressed: that trace's largest is 0.8 MB
+# A record ends at the first step boundary after FLUSH_EVENTS; one step adds at most the
+# blocks its token budget fills and those its finished sequences free (that trace's largest
+# record holds 10,628 events).
+MAX_RECORD_EVENTS = 1 << 20
+# A Mooncake line is at most MOONCAKE_LINE_CHARS, so it names at most half as many hash ids.
+MAX_HASH_IDS = MOONCAKE_LINE_CHARS // 2
+# Tokens of one prompt, past any model's context (128 MiB as int64); a prompt also fits the
+# header's cache, as the scheduler refuses one that does not before it is recorded.
+MAX_PROMPT_TOKENS = 1 << 24
+# What one view (a step, the summary, a request, an export) may decode: 60 times that trace.
+MAX_VIEW_EVENTS = 1 << 26
+MAX_VIEW_PROMPT_TOKENS = 1 << 33
+_KIND_NAMES = {b"H": "header", b"P": "prompts", b"E": "events", b"C": "checkpoint"}
+_DECODE_ERRORS = (zstandard.ZstdError, msgpack.UnpackException, ValueError, TypeError)
+
+
+class _OverLimit(ValueError):
+    """A record that asks for more than a reading budget allows (the message says which)."""
+
 
 def _check_header(path: Path, h: Any, version: int) -> str | None:
     """Refuse a header whose cache a reader cannot build; returns a note when its ``model``
@@ -127,6 +154,16 @@ def _check_header(path: Path, h: Any, version: int) -> str | None:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reason(e: BaseException) -> str:
+    """What went wrong, for inside a message's parentheses: never empty (msgpack's StackError
+    has no text), with the exception's type where its text alone would not say it."""
+    text = " ".join(str(e).split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    if type(e) in (ValueError, TraceError, _OverLimit) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _check_event(event: Event, num_blocks: int) -> None:
@@ -383,15 +420,23 @@ class TraceWriter:
 
 def _decode(item: list, prompt_of: Callable[[int], Any] | None, bs: int, slice_of) -> Event:
     """An event from its encoded list; without ``prompt_of``, token ids are left empty."""
+    if type(item) is not list or not item:
+        raise ValueError(f"event {_short(item)} is not a list")
     code = item[0]
+    if type(code) is not int or not 0 <= code < len(_CODES):
+        raise ValueError(f"unknown event code {_short(code)}")
     cls = _CODES[code]
     if code == _STORED:
         _, b, h, parent, seq_id, ref = item
+        if seq_id == -1 and (type(ref) is not bytes or len(ref) != 4 * bs):
+            raise ValueError(f"BlockStored tokens {_short(ref)} are not one block's")
         if prompt_of is None:
             tokens = []
         elif seq_id == -1:
             tokens = _tokens(ref)
         else:
+            if type(ref) is not int:
+                raise ValueError(f"BlockStored block index {_short(ref)} is not valid")
             tokens = slice_of(seq_id, ref * bs, (ref + 1) * bs)
         return BlockStored(b, h, parent, tokens)
     if code == _ADDED:
@@ -403,6 +448,61 @@ def _decode(item: list, prompt_of: Callable[[int], Any] | None, bs: int, slice_o
         snap.scheduled = [tuple(x) for x in snap.scheduled]
         return snap
     return cls(*item[1:])
+
+
+def _span(steps: list[int]) -> str:
+    if len(steps) > 4:
+        return f"{', '.join(f'{s:,}' for s in steps[:3])}, ... {steps[-1]:,}"
+    return ", ".join(f"{s:,}" for s in steps)
+
+
+def _array_len(raw: bytes) -> int:
+    """The length of the msgpack array ``raw`` opens with, or -1: read before unpacking, so an
+    oversized record is refused without being built."""
+    c = raw[0] if raw else 0
+    if 0x90 <= c <= 0x9F:
+        return c & 0x0F
+    if c == 0xDC and len(raw) >= 3:
+        return struct.unpack_from(">H", raw, 1)[0]
+    if c == 0xDD and len(raw) >= 5:
+        return struct.unpack_from(">I", raw, 1)[0]
+    return -1
+
+
+def _decompress(data: bytes, cap: int) -> bytes:
+    """One zstd frame, refused before its output is allocated when it declares more than
+    ``cap`` bytes (or, declaring nothing, makes more)."""
+    size = zstandard.frame_content_size(data)
+    if size > cap:
+        raise _OverLimit(f"declares {size:,} bytes decompressed; the limit is {cap:,}")
+    if size >= 0:  # zstd checks that the frame makes exactly what it declares
+        return zstandard.ZstdDecompressor().decompress(data)
+    raw = zstandard.ZstdDecompressor().stream_reader(data).read(cap + 1)
+    if len(raw) > cap:
+        raise _OverLimit(f"makes over {cap:,} bytes decompressed; the limit is {cap:,}")
+    return raw
+
+
+def _frame_end(f: IO[bytes], start: int, end: int, cap: int) -> int | None:
+    """Where the zstd frame at ``start`` ends, if before ``end``; None if the file ends inside
+    it (a torn write). Fed in small pieces, so no piece makes more than a few MB."""
+    d = zstandard.ZstdDecompressor().decompressobj()
+    made = 0
+    f.seek(start)
+    at = start
+    while at < end:
+        chunk = f.read(min(1 << 16, end - at))
+        if not chunk:
+            return None
+        for i in range(0, len(chunk), 256):
+            piece = chunk[i : i + 256]
+            made += len(d.decompress(piece))
+            if d.eof:
+                return at + i + len(piece) - len(d.unused_data)
+            if made > cap:
+                raise _OverLimit(f"makes over {cap:,} bytes decompressed; the limit is {cap:,}")
+        at += len(chunk)
+    return None
 
 
 class TraceReader:
@@ -420,6 +520,7 @@ class TraceReader:
         except OSError as e:
             raise TraceError(f"{self.path}: {e.strerror}") from None
         self.note: str | None = None  # set when a torn last record was dropped
+        self._new_view()
         if magic == MAGIC:
             self._v1 = None
             self._scan()
@@ -437,19 +538,26 @@ class TraceReader:
     def _scan(self) -> None:
         self.records: list[tuple[bytes, int, int, int, int]] = []  # kind, first, last, at, size
         size = self.path.stat().st_size
+        torn = "the last record is torn (the run was cut short); it was left out"
         with open(self.path, "rb") as f:
             at = len(MAGIC)
             while at < size:
                 f.seek(at)
                 prefix = f.read(_PREFIX.size)
                 if len(prefix) < _PREFIX.size:
-                    self.note = "the last record is torn (the run was cut short); it was left out"
+                    self.note = torn
                     break
                 n, kind, first, last = _PREFIX.unpack(prefix)
-                if kind not in b"HPEC" or at + _PREFIX.size + n > size:
-                    if kind not in b"HPEC" and self.records:
-                        raise TraceError(f"{self.path}: damaged record at byte {at}")
-                    self.note = "the last record is torn (the run was cut short); it was left out"
+                if kind not in b"HPEC":
+                    if self.records:
+                        raise TraceError(
+                            f"{self.path}: damaged record at byte {at} (kind {kind!r})"
+                        )
+                    self.note = torn
+                    break
+                if at + _PREFIX.size + n > size:
+                    self._check_torn(f, at, kind, n, size)
+                    self.note = torn
                     break
                 self.records.append((kind, first, last, at + _PREFIX.size, n))
                 at += _PREFIX.size + n
@@ -457,22 +565,156 @@ class TraceReader:
             raise TraceError(f"{self.path}: the trace has no header record")
         self.header = self._payload(self.records[0])
         self._check_header()
+        self._prompt_limit = min(MAX_PROMPT_TOKENS, self.num_blocks * self.block_size)
+        self._prompt_cache: dict[int, dict[int, Any]] = {}
+        self._check_order()
         self._prompt_records = [r for r in self.records if r[0] == b"P"]
         self._prompt_firsts = [r[1] for r in self._prompt_records]
-        self._prompt_cache: dict[int, dict[int, Any]] = {}
+
+    def _check_torn(self, f: IO[bytes], at: int, kind: bytes, n: int, size: int) -> None:
+        """A record whose length runs past the end of the file is torn only if the file ends
+        inside its payload; one whose payload ends before that has a damaged length."""
+        start = at + _PREFIX.size
+        try:
+            end = _frame_end(f, start, size, self._cap(kind))
+        except _OverLimit as e:
+            where = f"{self.path}: the {_KIND_NAMES[kind]} record at byte {at}"
+            raise TraceError(f"{where} {e}") from None
+        except _DECODE_ERRORS as e:
+            raise TraceError(f"{self.path}: damaged record at byte {at} ({_reason(e)})") from None
+        if end is not None:
+            raise TraceError(
+                f"{self.path}: damaged record at byte {at} (its length says {n:,} bytes, "
+                f"but its payload is {end - start:,} and the file goes on)"
+            )
+
+    def _check_order(self) -> None:
+        """Record prefixes checked against each other, as the writer writes them: one header,
+        then per flush the prompts it introduces, the events of the steps after the last
+        record's (none repeated or skipped), and a checkpoint of the last of those steps."""
+        step = 0  # the first step the next events record must hold
+        seq_id = -1  # the last sequence a prompt record holds
+        for i, (kind, first, last, at, _) in enumerate(self.records):
+            where = f"{self.path}: the {_KIND_NAMES[kind]} record at byte {at - _PREFIX.size}"
+            after = self.records[i - 1] if i else None
+            if kind == b"H" and (i or first or last):
+                raise TraceError(f"{where} is a second header (a record repeated or damaged)")
+            if kind == b"E":
+                if first != step or not first <= last < first + MAX_RECORD_EVENTS:
+                    raise TraceError(
+                        f"{where} holds steps {first:,} to {last:,}, but the records before it "
+                        f"end at step {step - 1:,} (a record repeated, out of order or damaged)"
+                    )
+                step = last + 1
+            elif kind == b"P":
+                if not seq_id < first <= last:
+                    raise TraceError(
+                        f"{where} holds sequences {first:,} to {last:,}, but the records before "
+                        f"it reach sequence {seq_id:,} (a record repeated, out of order or damaged)"
+                    )
+                seq_id = last
+                following = self.records[i + 1][0] if i + 1 < len(self.records) else None
+                if following not in (b"E", None):
+                    raise TraceError(f"{where} is not followed by the events that use it")
+            elif kind == b"C" and (
+                after is None or after[0] != b"E" or not first == last == after[2]
+            ):
+                raise TraceError(f"{where} (step {first:,}) does not follow the events of its step")
+        if self.records[-1][0] == b"P":
+            # Cut short between a prompt record and its events: checked, then left out.
+            self._prompt_entries(self.records.pop())
+            self.note = self.note or (
+                "the last record holds prompts of steps never recorded (the run was cut short); "
+                "it was left out"
+            )
+
+    def _cap(self, kind: bytes) -> int:
+        """The most bytes a record of ``kind`` may decompress to."""
+        if kind == b"H":
+            return MAX_HEADER_BYTES
+        if kind == b"C":  # a ref count, hash, table entry and source fit in 64 bytes a block
+            return MAX_RECORD_BYTES + 64 * self.num_blocks
+        return MAX_RECORD_BYTES
+
+    def _limits(self, kind: bytes) -> dict[str, int]:
+        """msgpack's limits for a record of ``kind``, checked before each list, map, string or
+        byte string is built: no list longer than the record can hold, no token bytes longer
+        than a block (events) or a prompt (prompts) or the cache (checkpoints)."""
+        if kind == b"H":
+            strings, arrays = MAX_HEADER_STRING, 1024
+            return {
+                "max_str_len": strings,
+                "max_bin_len": strings,
+                "max_array_len": arrays,
+                "max_map_len": arrays,
+                "max_ext_len": 0,
+            }
+        n, bs = self.num_blocks, self.block_size
+        if kind == b"C":
+            arrays, bins = max(n, MAX_RECORD_EVENTS), 4 * max(n, bs)
+        elif kind == b"P":
+            arrays, bins = MAX_RECORD_EVENTS, 4 * self._prompt_limit
+        else:
+            arrays, bins = MAX_RECORD_EVENTS, 4 * bs
+        return {
+            "max_str_len": 256,
+            "max_bin_len": bins,
+            "max_array_len": arrays,
+            "max_map_len": 256,
+            "max_ext_len": 0,
+        }
 
     def _payload(self, record) -> Any:
-        _, _, _, at, n = record
-        with open(self.path, "rb") as f:
-            f.seek(at)
-            data = f.read(n)
+        kind, _, _, at, n = record
+        where = at - _PREFIX.size  # the record's own offset, as the scan names a prefix
+        cap = self._cap(kind)
         try:
-            raw = zstandard.ZstdDecompressor().decompress(data)
-            return msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        except (zstandard.ZstdError, ValueError, msgpack.UnpackException) as e:
-            # The record's own offset, as the scan names a damaged prefix.
-            where = at - _PREFIX.size
-            raise TraceError(f"{self.path}: damaged record at byte {where} ({e})") from None
+            if n > cap + (cap >> 7) + 1024:  # zstd grows incompressible data by under 1%
+                raise _OverLimit(f"is {n:,} bytes; the limit is {cap:,}")
+            with open(self.path, "rb") as f:
+                f.seek(at)
+                data = f.read(n)
+            raw = _decompress(data, cap)
+            if kind == b"E":
+                self._spend_events(_array_len(raw))
+            return msgpack.unpackb(raw, raw=False, strict_map_key=False, **self._limits(kind))
+        except _OverLimit as e:
+            name = _KIND_NAMES[kind]
+            raise TraceError(f"{self.path}: the {name} record at byte {where} {e}") from None
+        except _DECODE_ERRORS as e:
+            if type(e) is ValueError and " exceeds max_" in str(e):  # one of msgpack's limits
+                name = _KIND_NAMES[kind]
+                raise TraceError(
+                    f"{self.path}: the {name} record at byte {where} is over a reading limit "
+                    f"({_reason(e)})"
+                ) from None
+            raise TraceError(
+                f"{self.path}: damaged record at byte {where} ({_reason(e)})"
+            ) from None
+
+    # -- the budget of a view ----------------------------------------------------------------
+
+    def _new_view(self) -> None:
+        self._events_left = MAX_VIEW_EVENTS
+        self._tokens_left = MAX_VIEW_PROMPT_TOKENS
+
+    def _spend_events(self, n: int) -> None:
+        """Count an events record's events against the view's budget, before it is unpacked."""
+        if n > MAX_RECORD_EVENTS:
+            raise _OverLimit(f"holds {n:,} events; the limit is {MAX_RECORD_EVENTS:,}")
+        if n > self._events_left:
+            raise _OverLimit(
+                f"is past the {MAX_VIEW_EVENTS:,} events one view may read (the trace holds more)"
+            )
+        self._events_left -= n
+
+    def _spend_tokens(self, seq_id: int, n: int) -> None:
+        if n > self._tokens_left:
+            raise TraceError(
+                f"{self.path}: the prompt of sequence {seq_id} is past the "
+                f"{MAX_VIEW_PROMPT_TOKENS:,} prompt tokens one view may make"
+            )
+        self._tokens_left -= n
 
     def _check_header(self) -> None:
         h = self.header
@@ -480,7 +722,7 @@ class TraceReader:
             raise TraceError(f"{self.path}: not a nanokv trace")
         if h.get("version") != TRACE_VERSION:
             raise TraceError(
-                f"{self.path}: trace format version {h.get('version')} is not supported "
+                f"{self.path}: trace format version {_short(h.get('version'))} is not supported "
                 f"(this nanokv reads versions 1 and {TRACE_VERSION})"
             )
         self._model_note = _check_header(self.path, h, TRACE_VERSION)
@@ -515,27 +757,96 @@ class TraceReader:
 
     def _prompts_of(self, seq_id: int) -> dict[int, Any]:
         # Prompt records come in seq-id order (an engine numbers requests as they arrive).
+        if type(seq_id) is not int:
+            raise TraceError(f"{self.path}: sequence id {_short(seq_id)} is not valid")
         i = bisect.bisect_right(self._prompt_firsts, seq_id) - 1
         if i >= 0 and seq_id <= self._prompt_records[i][2]:
             rec = self._prompt_records[i]
             got = self._prompt_cache.get(rec[3])
             if got is None:
-                got = self._prompt_cache[rec[3]] = dict(self._payload(rec))
+                got = self._prompt_cache[rec[3]] = self._prompt_entries(rec)
             if seq_id in got:
                 return got
         raise TraceError(f"{self.path}: the prompt of sequence {seq_id} is missing")
 
+    def _prompt_entries(self, rec) -> dict[int, Any]:
+        """A prompt record's prompts by sequence id, each checked (tokens within the caps, a
+        recipe that makes a prompt), so no reader of them meets a malformed one."""
+        _, first, last, at, _ = rec
+        items = self._payload(rec)
+        where = at - _PREFIX.size
+        got: dict[int, Any] = {}
+        try:
+            if type(items) is not list or not items:
+                raise ValueError("not a list of prompts")
+            previous = first - 1
+            for item in items:
+                if type(item) is not list or len(item) != 2:
+                    raise ValueError(f"prompt entry {_short(item)} is not [sequence, prompt]")
+                seq_id, entry = item
+                if type(seq_id) is not int or not previous < seq_id <= last:
+                    raise ValueError(f"sequence {_short(seq_id)} is out of order or range")
+                got[seq_id] = self._checked_prompt(seq_id, entry)
+                previous = seq_id
+            if items[0][0] != first or previous != last:
+                raise ValueError(f"its prompts are of sequences other than {first} to {last}")
+        except _OverLimit as e:
+            raise TraceError(f"{self.path}: the prompts record at byte {where}: {e}") from None
+        except ValueError as e:
+            raise TraceError(
+                f"{self.path}: damaged record at byte {where} ({_reason(e)})"
+            ) from None
+        return got
+
+    def _checked_prompt(self, seq_id: int, entry: Any) -> Any:
+        limit = self._prompt_limit
+        if type(entry) is bytes:
+            if len(entry) % 4:
+                raise ValueError(f"the prompt of sequence {seq_id} is not whole int32 tokens")
+            n = len(entry) // 4
+        else:
+            from .engine.mooncake import SynthesizedPrompt
+
+            hash_ids = entry[1] if type(entry) is list and len(entry) == 4 else ()
+            if isinstance(hash_ids, list) and len(hash_ids) > MAX_HASH_IDS:
+                raise _OverLimit(
+                    f"the prompt of sequence {seq_id} names {len(hash_ids):,} hash ids; "
+                    f"the limit is {MAX_HASH_IDS:,}"
+                )
+            n = SynthesizedPrompt.from_recipe(entry).input_length
+        if n > limit:
+            raise _OverLimit(
+                f"the prompt of sequence {seq_id} has {n:,} tokens; the limit is {limit:,} "
+                "(the header's cache, or the most any prompt has)"
+            )
+        return entry
+
+    @staticmethod
+    def _prompt_len(entry: Any) -> int:
+        return len(entry) // 4 if type(entry) is bytes else entry[2]
+
     def prompt(self, seq_id: int) -> tuple[array, list | None]:
         """A sequence's prompt tokens (a compact array), and its recipe if it was synthesized."""
         entry = self._prompts_of(seq_id)[seq_id]
+        self._spend_tokens(seq_id, self._prompt_len(entry))
         if isinstance(entry, bytes):
             return _tokens(entry), None
         from .engine.mooncake import SynthesizedPrompt
 
         return SynthesizedPrompt.from_recipe(entry)(), entry
 
-    def prompt_slice(self, seq_id: int, start: int, end: int) -> list[int]:
+    def _block_of(self, seq_id: int, start: int, end: int) -> Any:
+        """The prompt entry a block of tokens ``start..end`` of ``seq_id`` comes from; a block
+        past the prompt's end is a damaged reference, not an empty block."""
         entry = self._prompts_of(seq_id)[seq_id]
+        if not 0 <= start < end <= self._prompt_len(entry):
+            raise ValueError(
+                f"tokens {start:,} to {end:,} are past the prompt of sequence {seq_id}"
+            )
+        return entry
+
+    def prompt_slice(self, seq_id: int, start: int, end: int) -> list[int]:
+        entry = self._block_of(seq_id, start, end)
         if isinstance(entry, bytes):
             return _tokens(entry[4 * start : 4 * end])
         from .engine.mooncake import MOONCAKE_BLOCK_SIZE, synthesize_tokens
@@ -552,16 +863,22 @@ class TraceReader:
         from .engine.mooncake import MOONCAKE_BLOCK_SIZE as M
         from .engine.mooncake import synthesize_tokens
 
-        bs = self.block_size
+        bs, n = self.block_size, self.num_blocks
         wanted: list[tuple[int, int, int]] = []  # block, start in the batch, its first id
         ids: list[int] = []
         vocab = 32000
         for b, seq_id, ref in sources:
+            if type(b) is not int or not 0 <= b < n:
+                raise ValueError(f"source block {_short(b)} is out of range")
             if seq_id == -1:
+                if type(ref) is not bytes or len(ref) != 4 * bs:
+                    raise ValueError(f"the tokens of block {b} are not one block's")
                 state.block_tokens[b] = _tokens(ref)
                 continue
-            entry = self._prompts_of(seq_id)[seq_id]
+            if type(ref) is not int:
+                raise ValueError(f"block {b} names block index {_short(ref)}")
             start, end = ref * bs, (ref + 1) * bs
+            entry = self._block_of(seq_id, start, end)
             if isinstance(entry, bytes):
                 state.block_tokens[b] = _tokens(entry[4 * start : 4 * end])
                 continue
@@ -584,12 +901,37 @@ class TraceReader:
         prompt_of = self.prompt if tokens else None
         n = self.num_blocks
         try:
+            if type(items) is not list:
+                raise ValueError(f"{_short(items)} is not a list of events")
             events = [_decode(it, prompt_of, bs, self.prompt_slice) for it in items]
             for event in events:
                 _check_event(event, n)
-            return events
+        except TraceError:
+            raise  # already says what is wrong
         except (TypeError, ValueError, IndexError) as e:
-            raise TraceError(f"{self.path}: a record does not hold trace events ({e})") from None
+            raise TraceError(
+                f"{self.path}: a record does not hold trace events ({_reason(e)})"
+            ) from None
+        steps = [e.step for e in events if type(e) is StepSnapshot]
+        self._check_steps(record, steps, bool(events) and type(events[-1]) is StepSnapshot)
+        return events
+
+    def _check_steps(self, record, steps: list[int], ends: bool) -> None:
+        """An events record holds whole steps, those its prefix names: a step's events end
+        with its snapshot, so the record ends with one, and the snapshots count its steps."""
+        _, first, last, at, _ = record
+        where = f"{self.path}: the events record at byte {at - _PREFIX.size}"
+        if not ends:
+            raise TraceError(f"{where} does not end at the end of a step (a step's snapshot)")
+        if (
+            steps[0] != first
+            or steps[-1] != last
+            or len(steps) != last - first + 1
+            or any(b - a != 1 for a, b in zip(steps, steps[1:]))
+        ):
+            raise TraceError(
+                f"{where} holds steps {_span(steps)}; its prefix says {first:,} to {last:,}"
+            )
 
     def events(self, tokens: bool = True) -> Iterator[Event]:
         """Every event of every whole step, in order. ``tokens=False`` leaves prompts and
@@ -598,6 +940,7 @@ class TraceReader:
         if self._v1 is not None:
             yield from self._v1.events()
             return
+        self._new_view()
         for rec in self.records:
             if rec[0] == b"E":
                 yield from self._decoded(rec, tokens)
@@ -613,11 +956,11 @@ class TraceReader:
                 if type(event) is StepSnapshot:
                     last = event.step
         else:
+            self._new_view()
             codes = [0] * len(_CODES)
             for rec in self.records:
                 if rec[0] == b"E":
-                    for item in self._payload(rec):
-                        codes[item[0]] += 1
+                    self._count_codes(rec, codes)
                     last = rec[2]
             counts = {cls.__name__: n for cls, n in zip(_CODES, codes) if n}
         sizes: dict[str, int] = {}
@@ -634,10 +977,36 @@ class TraceReader:
             "checkpoints": sum(1 for r in getattr(self, "records", []) if r[0] == b"C"),
         }
 
+    def _count_codes(self, rec, codes: list[int]) -> None:
+        """Add an events record's events per type to ``codes``, without decoding them: only
+        their type codes and the snapshots' steps are checked."""
+        items = self._payload(rec)
+        n = len(_CODES)
+        steps = []
+        try:
+            if type(items) is not list:
+                raise ValueError(f"{_short(items)} is not a list of events")
+            for item in items:
+                if type(item) is not list or not item:
+                    raise ValueError(f"event {_short(item)} is not a list")
+                code = item[0]
+                if type(code) is not int or not 0 <= code < n:
+                    raise ValueError(f"unknown event code {_short(code)}")
+                codes[code] += 1
+                if code == _SNAPSHOT:
+                    step = item[1] if len(item) > 1 else None
+                    if type(step) is not int:
+                        raise ValueError(f"StepSnapshot.step = {_short(step)} is not valid")
+                    steps.append(step)
+        except ValueError as e:
+            raise TraceError(f"{self.path}: a record does not hold trace events ({e})") from None
+        self._check_steps(rec, steps, bool(items) and items[-1][0] == _SNAPSHOT)
+
     def state_at(self, step: int | None = None) -> CacheState:
         """The cache as it stood at the end of ``step`` (default: the last recorded step)."""
         if self._v1 is not None:
             return self._v1.state_at(step)
+        self._new_view()
         steps = [r for r in self.records if r[0] == b"E"]
         if not steps:
             raise TraceError(f"{self.path}: the trace holds no steps")
@@ -653,7 +1022,7 @@ class TraceReader:
         state = CacheState(self.num_blocks)
         start = 0
         if checkpoint is not None:
-            self._restore(state, self._payload(checkpoint))
+            self._restore(state, checkpoint)
             start = checkpoint[1] + 1
             if start > step:
                 return state
@@ -673,7 +1042,9 @@ class TraceReader:
         except TraceError:
             raise  # already says what is wrong
         except (IndexError, ValueError, StopIteration) as e:
-            raise TraceError(f"{self.path}: events do not fit the header's cache ({e})") from None
+            raise TraceError(
+                f"{self.path}: events do not fit the header's cache ({_reason(e)})"
+            ) from None
         return state
 
     def replay_from(self, seq_id: int) -> tuple[CacheState, Iterator[Event]]:
@@ -682,6 +1053,7 @@ class TraceReader:
         state = CacheState(self.num_blocks)
         if self._v1 is not None:
             return state, self.events()
+        self._new_view()
         arrival = 0  # the first step of the events record right after its prompt record
         for i, rec in enumerate(self.records):
             if rec[0] == b"P" and rec[1] <= seq_id <= rec[2]:
@@ -693,10 +1065,14 @@ class TraceReader:
                 checkpoint = rec
         start = 0
         if checkpoint is not None:
+            cp = self._payload(checkpoint)
             try:
-                state.ref_count, _, state.block_tables = self._books(self._payload(checkpoint))
-            except (KeyError, TypeError, ValueError) as e:
-                raise TraceError(f"{self.path}: damaged checkpoint ({e})") from None
+                state.ref_count, _, state.block_tables = self._books(cp)
+                self._checkpoint_snapshot(cp, checkpoint)
+            except TraceError:
+                raise
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                raise TraceError(f"{self.path}: damaged checkpoint ({_reason(e)})") from None
             start = checkpoint[1] + 1
 
         def events() -> Iterator[Event]:
@@ -706,17 +1082,28 @@ class TraceReader:
 
         return state, events()
 
-    def _restore(self, state: CacheState, cp: dict[str, Any]) -> None:
+    def _restore(self, state: CacheState, checkpoint) -> None:
+        cp = self._payload(checkpoint)
         try:
             state.ref_count, state.block_hash, state.block_tables = self._books(cp)
             self._resolve_sources(state, cp["sources"])
             for seq_id in cp["unfinished"]:
                 state.prompts[seq_id] = self.prompt(seq_id)[0]
-            snap = StepSnapshot(*cp["snapshot"])
-            snap.scheduled = [tuple(x) for x in snap.scheduled]
-            state.last_snapshot = snap
-        except (KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"{self.path}: damaged checkpoint ({e})") from None
+            state.last_snapshot = self._checkpoint_snapshot(cp, checkpoint)
+        except TraceError:
+            raise  # already says what is wrong
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise TraceError(f"{self.path}: damaged checkpoint ({_reason(e)})") from None
+
+    def _checkpoint_snapshot(self, cp: dict[str, Any], checkpoint) -> StepSnapshot:
+        """The checkpoint's last snapshot, checked: its step is the checkpoint's, the end of
+        the events before it."""
+        snap = StepSnapshot(*cp["snapshot"])
+        _check_event(snap, self.num_blocks)
+        if snap.step != checkpoint[1]:
+            raise ValueError(f"its snapshot is of step {snap.step:,}, not {checkpoint[1]:,}")
+        snap.scheduled = [tuple(x) for x in snap.scheduled]
+        return snap
 
     def _books(self, cp: dict[str, Any]) -> tuple[list[int], list[int], dict[int, list[int]]]:
         """A checkpoint's ref counts, hashes and block tables, checked against the header's
@@ -730,7 +1117,7 @@ class TraceReader:
         for seq_id, table in cp["tables"]:
             if type(seq_id) is not int or seq_id < 0:
                 raise ValueError(f"sequence id {_short(seq_id)}")
-            if not all(type(b) is int and 0 <= b < n for b in table):
+            if type(table) is not list or not all(type(b) is int and 0 <= b < n for b in table):
                 raise ValueError(f"the block table of sequence {seq_id} is out of range")
             tables[seq_id] = list(table)
         return ref_count.tolist(), block_hash, tables
