@@ -205,11 +205,11 @@ def load(variant_name: str, symbols: tuple[str, ...] = ()) -> ctypes.CDLL:
     return _load(next(v for v in VARIANTS if v.name == variant_name), symbols)[0]
 
 
-@cache
 def kernels(symbols: tuple[str, ...] = ()) -> Kernels:
-    """This process's kernels. A forced variant the CPU cannot run raises KernelVariantError;
-    anything else that stops them (no compiler, no sources, a failed build) leaves ``lib``
-    None with the reason in ``missing``."""
+    """The kernels as this process's settings ask for them now (callers keep the answer). A
+    forced variant the CPU cannot run raises KernelVariantError; anything else that stops them
+    (no compiler, no sources, a failed build) leaves ``lib`` None with the reason in
+    ``missing``."""
     variant = active_variant()
     if os.environ.get(SWITCH_VARIABLE, "1") == "0":
         return Kernels(None, variant, None, False, f"{SWITCH_VARIABLE}=0", switched_off=True)

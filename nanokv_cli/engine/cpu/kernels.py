@@ -548,8 +548,9 @@ def _plan(lives: dict[int, list[int]]) -> tuple[dict[int, int], int]:
 
 
 def status() -> build.Kernels:
-    """How the kernels loaded in this process: the variant, the library file, or why they are
-    unavailable (``missing``: what, what it costs, how to fix it)."""
+    """How the kernels load here: the variant, the library file, or why they are unavailable
+    (``missing``: what, what it costs, how to fix it). Asked afresh (cheap once built); the
+    layers use the answer ``_library`` kept."""
     return build.kernels(tuple(_SIGNATURES))
 
 
