@@ -288,6 +288,22 @@ MaxBatchedOpt = Annotated[
         show_default=False,
     ),
 ]
+# serve's step latency target (ms): the shortest that keeps 90% of the fixed budget's tokens/s
+# in bench_serve.py's burst on a 2-core CPU (60 ms: 71%, 100 ms: 83%, 200 ms: 97%), and a burst
+# then slows running streams (longest wait 0.4 s) instead of freezing them (3.5 s).
+SERVE_STEP_LATENCY_MS = 200.0
+StepLatencyOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--step-latency-target-ms",
+        min=0,
+        help="While sequences decode, a step takes only the prompt tokens that keep it under "
+        "this many milliseconds (at costs measured as the run goes), so streams never freeze "
+        "behind a burst of prompts; 0: up to the token budget. [default: off; serve: "
+        f"{SERVE_STEP_LATENCY_MS:g}]",
+        show_default=False,
+    ),
+]
 MaxModelLenOpt = Annotated[
     int | None, typer.Option("--max-model-len", min=1, help="Longest prompt + output allowed.")
 ]
@@ -383,6 +399,7 @@ def engine_config_from_flags(
     tensor_parallel_size: int | None,
     quantization: str | None,
     threads: int | None,
+    step_latency_target_ms: float | None = None,
 ) -> EngineConfig:
     """The engine settings of a command's flags (generate, replay and serve share them).
 
@@ -403,6 +420,7 @@ def engine_config_from_flags(
         "tensor_parallel_size": tensor_parallel_size,
         "quantization": quantization,
         "threads": threads,
+        "step_latency_target_ms": step_latency_target_ms or None,
     }
     try:
         return EngineConfig(**{k: v for k, v in given.items() if v is not None})
@@ -459,6 +477,7 @@ def generate(
     no_prefix_cache: NoPrefixOpt = False,
     max_num_seqs: MaxSeqsOpt = None,
     max_num_batched_tokens: MaxBatchedOpt = None,
+    step_latency_target_ms: StepLatencyOpt = None,
     max_model_len: MaxModelLenOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -496,6 +515,7 @@ def generate(
         no_prefix_cache=no_prefix_cache,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        step_latency_target_ms=step_latency_target_ms,
         max_model_len=max_model_len,
         dtype=dtype,
         device=device,
@@ -852,6 +872,7 @@ def replay_cmd(
     ] = None,
     max_num_seqs: MaxSeqsOpt = None,
     max_num_batched_tokens: MaxBatchedOpt = None,
+    step_latency_target_ms: StepLatencyOpt = None,
     max_model_len: MaxModelLenOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -935,6 +956,7 @@ def replay_cmd(
         no_prefix_cache=no_prefix_cache,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        step_latency_target_ms=step_latency_target_ms,
         max_model_len=max_model_len,
         dtype=dtype,
         device=device,
@@ -1136,11 +1158,17 @@ def serve_cmd(
             "--api-key",
             envvar="NANOKV_API_KEY",
             show_envvar=True,
-            help="Require `Authorization: Bearer KEY` on every endpoint but /health (the "
-            "environment variable keeps the key out of the process list).",
+            help="Require `Authorization: Bearer KEY` on /v1/* (as vLLM; /health and /metrics "
+            "stay open; the environment variable keeps the key out of the process list).",
             show_default=False,
         ),
     ] = None,
+    guard_metrics: Annotated[
+        bool,
+        typer.Option(
+            "--guard-metrics", help="With --api-key, /metrics needs the key too (scrapers send it)."
+        ),
+    ] = False,
     served_model_name: Annotated[
         str | None,
         typer.Option(
@@ -1161,6 +1189,7 @@ def serve_cmd(
     no_prefix_cache: NoPrefixOpt = False,
     max_num_seqs: MaxSeqsOpt = None,
     max_num_batched_tokens: MaxBatchedOpt = None,
+    step_latency_target_ms: StepLatencyOpt = None,
     max_model_len: MaxModelLenOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -1179,6 +1208,41 @@ def serve_cmd(
         float,
         typer.Option(
             min=0.0, help="Seconds SIGTERM waits for in-flight requests before aborting them."
+        ),
+    ] = 30.0,
+    limit_concurrency: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Requests in flight (a stream counts until it ends) before more get a 503; "
+            "/health and /metrics are never refused.",
+        ),
+    ] = 512,  # serve.ServeLimits' defaults (serve.py loads FastAPI: not at start-up)
+    limit_connections: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Open connections; one beyond is closed as it is accepted. [default: 3/4 of "
+            "the open-files limit]",
+            show_default=False,
+        ),
+    ] = None,
+    timeout_keep_alive: Annotated[
+        float, typer.Option(min=0.0, help="Seconds a connection may idle between requests.")
+    ] = 5.0,
+    timeout_header: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Seconds a request's headers may take, from its first byte or the "
+            "connection's start (then a 408).",
+        ),
+    ] = 10.0,
+    timeout_body: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Seconds a request's body may take after its headers (then closed).",
         ),
     ] = 30.0,
     debug: DebugOpt = False,
@@ -1208,6 +1272,9 @@ def serve_cmd(
         no_prefix_cache=no_prefix_cache,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        step_latency_target_ms=SERVE_STEP_LATENCY_MS
+        if step_latency_target_ms is None
+        else step_latency_target_ms,
         max_model_len=max_model_len,
         dtype=dtype,
         device=device,
@@ -1221,7 +1288,7 @@ def serve_cmd(
     with user_errors(debug):
         check_model_path(model)
         check_outputs({"--report": report, "--record": record}, inputs=[model])
-        from .serve import bind_socket, serve
+        from .serve import ServeLimits, bind_socket, serve
         from .views.tables import summary_table
 
         sock = bind_socket(host, port)  # before loading: a taken port fails at once
@@ -1245,6 +1312,14 @@ def serve_cmd(
             live=live_on,
             console=stdout_console(),
             shutdown_timeout=shutdown_timeout,
+            limits=ServeLimits(
+                limit_concurrency=limit_concurrency,
+                limit_connections=limit_connections,
+                timeout_keep_alive=timeout_keep_alive,
+                timeout_header=timeout_header,
+                timeout_body=timeout_body,
+            ),
+            guard_metrics=guard_metrics,
         )
         stdout_console().print(summary_table(result.report))
     if result.exit_code == 130:

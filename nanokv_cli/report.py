@@ -45,6 +45,7 @@ class RunStats:
         self.requests = 0
         self.finished = 0
         self.aborted = 0  # requests dropped before they finished (a client went away)
+        self.aborted_output_tokens = 0  # of output_tokens: generated for those requests
         self.prompt_tokens = 0
         self.output_tokens = 0
         self.computed_prompt_tokens = 0  # prefill tokens the steps computed (misses + recompute)
@@ -57,6 +58,7 @@ class RunStats:
         self._last_token_time: dict[int, float] = {}
         self._live: dict[int, dict[str, Any]] = {}  # per-request records until they finish
         self._latency: dict[int, tuple[float, float]] = {}  # seq_id -> (ttft, e2e)
+        self._gaps: dict[int, list] = {}  # seq_id -> [sum, count, max] of its inter-token gaps
 
     def __call__(self, event: Event) -> None:
         t = type(event)
@@ -76,20 +78,30 @@ class RunStats:
                         rec["readmission_hit_tokens"] += event.num_hit_tokens
         elif t is SequenceFinished:
             if event.reason == "abort":
+                # What an aborted request streamed was generated and delivered: a summary
+                # after Ctrl-C or a disconnect counts it (and says how much it was).
                 self.aborted += 1
+                self.aborted_output_tokens += event.num_completion_tokens
+                # No output marks an abort finished: forget its last token time here, or a
+                # server with --report would keep one per disconnected client.
+                self._last_token_time.pop(event.seq_id, None)
+                self._gaps.pop(event.seq_id, None)
             else:
                 self.finished += 1
                 self.prompt_tokens += event.num_prompt_tokens
-                self.output_tokens += event.num_completion_tokens
+            self.output_tokens += event.num_completion_tokens
             if self.on_request is not None:
                 rec = self._live.pop(event.seq_id, None)
                 if rec is not None:
                     ttft, e2e = self._latency.pop(event.seq_id, (None, None))
+                    total, count, longest = self._gaps.pop(event.seq_id, (0.0, 0, None))
                     rec.update(
                         output_tokens=event.num_completion_tokens,
                         finish_reason=event.reason,
                         ttft_s=ttft,
                         e2e_latency_s=e2e,
+                        itl_mean_s=total / count if count else None,
+                        itl_max_s=longest,
                     )
                     self.on_request(rec)
         elif t is SequencePreempted:
@@ -127,6 +139,8 @@ class RunStats:
             prev = last.get(out.seq_id)
             if prev is None:
                 self.ttft.append(now - out.arrival_time)
+                if self.on_request is not None:  # an aborted request keeps its first token's
+                    self._latency[out.seq_id] = (now - out.arrival_time, None)
             else:
                 self.itl.append(now - prev)
             if out.finished:
@@ -137,6 +151,12 @@ class RunStats:
                     self._latency[out.seq_id] = (ttft, now - out.arrival_time)
             else:
                 last[out.seq_id] = now
+            if prev is not None and self.on_request is not None:
+                gaps = self._gaps.setdefault(out.seq_id, [0.0, 0, 0.0])  # sum, count, max
+                gap = now - prev
+                gaps[0] += gap
+                gaps[1] += 1
+                gaps[2] = max(gaps[2], gap)
 
     def report(self, *, duration: float, wall_time: float, **config: Any) -> dict[str, Any]:
         total_tokens = self.prompt_tokens + self.output_tokens
@@ -147,6 +167,7 @@ class RunStats:
             "requests_aborted": self.aborted,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
+            "output_tokens_aborted": self.aborted_output_tokens,
             **cache_numbers(self.last),
             "computed_prompt_tokens": self.computed_prompt_tokens,
             "peak_used_blocks": self.peak_used_blocks,

@@ -16,14 +16,23 @@ Threads and ownership:
 ``report.cache_numbers`` names every view uses), and histograms the engine thread fills.
 SIGTERM stops accepting and lets in-flight requests finish (up to ``shutdown_timeout``);
 SIGINT (or a second signal) aborts them. Either way the trace and report are written.
+
+Connections are bounded (``ServeLimits``): requests in flight (a stream counts until it ends),
+open connections, and how long a client may take over its headers, its body, or idle between
+requests. Bodies are refused before they are parsed when too large or too deeply nested.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import itertools
 import json
+import logging
 import math
+import re
+import resource
 import signal
 import socket
 import sys
@@ -44,8 +53,10 @@ from prometheus_client import generate_latest as prometheus_text
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .driver import Driver, QueueClosed, Request, RequestQueue, Run
 from .engine.block_manager import MISS_REASONS
@@ -56,6 +67,31 @@ from .report import cache_numbers
 MAX_BODY_BYTES = 1 << 20  # larger bodies get a 413
 _DRAIN_BODY_BYTES = 16 << 20  # read (and drop) this much of a too-large body before the 413
 MAX_STOP_STRINGS = 16
+# Deeper bodies get a 400 before they are parsed (Python's json and pydantic recurse per level);
+# an OpenAI request nests about 5 deep.
+MAX_JSON_DEPTH = 64
+_PROBES = ("/health", "/metrics")  # never refused for load: monitoring must see an overload
+
+
+# -- limits ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """How much a server takes on, and how long it waits for a client (seconds)."""
+
+    limit_concurrency: int = 512  # requests in flight (streams count until they end): then 503
+    limit_connections: int | None = None  # open connections; None: 3/4 of the open-files limit
+    timeout_keep_alive: float = 5.0  # idle between two requests on one connection (uvicorn's)
+    timeout_header: float = 10.0  # from a request's first byte (or the connection's) to its headers
+    timeout_body: float = 30.0  # from the headers to the body's last byte
+
+    def max_connections(self) -> int:
+        if self.limit_connections is not None:
+            return self.limit_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # The rest of the descriptors stay for the model's files, logs, the trace and /health.
+        return 3 * soft // 4 if soft != resource.RLIM_INFINITY else 1 << 16
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -97,6 +133,9 @@ class ApiError(Exception):
 
 class _ClientGone(Exception):
     """The client disconnected; its request has been aborted."""
+
+
+_log = logging.getLogger("uvicorn.error")  # uvicorn's handlers: the server's log, its format
 
 
 # -- request bodies ----------------------------------------------------------------------------
@@ -643,6 +682,7 @@ class ServerState:
         model_name: str,
         default_max_tokens: int,
         api_key: str | None,
+        guard_metrics: bool = False,
     ) -> None:
         self.tokenizer = llm.tokenizer
         self.chat_prompt = llm.chat_prompt
@@ -654,6 +694,7 @@ class ServerState:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.api_key = api_key
+        self.guard_metrics = guard_metrics
         self.created = int(time.time())
 
     # -- checks ----------------------------------------------------------------------------
@@ -853,19 +894,57 @@ async def _json_body(request: HttpRequest) -> dict[str, Any]:
         await _drain(request)
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            await _drain(request, size)
-            raise too_large
-        chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks), parse_constant=_no_constant)
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                await _drain(request, size)
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        _log_gone_mid_body(request, size, length)
+        raise _ClientGone() from None
+    raw = b"".join(chunks)
+    if _nesting_depth(raw) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+def _log_gone_mid_body(request: HttpRequest, size: int, length: str | None) -> None:
+    """One line, not a traceback: a client that leaves mid-body is routine, not a bug."""
+    client = request.client
+    who = f"{client.host}:{client.port}" if client else "a client"
+    timeout = request.scope.get("nanokv.body_timeout")
+    why = f"sent no complete body within {timeout:g} s" if timeout else "left mid-body"
+    _log.warning(
+        '%s - "%s %s" %s (%d of %s bytes); dropped',
+        who,
+        request.method,
+        request.url.path,
+        why,
+        size,
+        length if length is not None else "?",
+    )
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # less 1: opens +1, closes -1
+
+
+def _nesting_depth(raw: bytes) -> int:
+    """How deep the brackets of a JSON text nest, on the raw bytes (a bound: cheap, no parse)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:  # nearly every body: no scan
+        return 0
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)  # none inside strings
+    steps = brackets.translate(_DEPTH_STEP)
+    return max(itertools.accumulate(b - 1 for b in steps), default=0)
 
 
 def _no_constant(name: str) -> None:
@@ -884,14 +963,21 @@ async def _drain(request: HttpRequest, size: int = 0) -> None:
 
 
 class _ApiKeyMiddleware:
-    """Every path but /health needs ``Authorization: Bearer KEY`` (compared in constant time)."""
+    """/v1/* needs ``Authorization: Bearer KEY`` (compared in constant time), as vLLM's key;
+    /metrics too with ``guard_metrics`` (Prometheus scrapers and gateways read it keyless)."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, guard_metrics: bool) -> None:
         self.app = app
         self.key = api_key.encode()
+        self.guard_metrics = guard_metrics
+
+    def guards(self, path: str) -> bool:
+        return (
+            path == "/v1" or path.startswith("/v1/") or (self.guard_metrics and path == "/metrics")
+        )
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and self.guards(scope["path"]):
             header = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
@@ -909,12 +995,45 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(state: ServerState) -> FastAPI:
+class _ConcurrencyLimit:
+    """At most ``limit`` requests in flight, a stream counted until its last event (the app's
+    call lasts that long); the next gets a 503. The probes are never refused."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in _PROBES:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            error = ApiError(
+                503,
+                f"the server has {self.limit} requests in flight, its limit; retry later",
+                code="server_overloaded",
+            )
+            await error.response()(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+def create_app(state: ServerState, limits: ServeLimits | None = None) -> FastAPI:
+    limits = limits or ServeLimits()
     app = FastAPI(title="nanokv", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: HttpRequest, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
@@ -980,8 +1099,11 @@ def create_app(state: ServerState) -> FastAPI:
             max_tokens = body.max_tokens
         return await state.generate(request, body, tokens, max_tokens, chat=True)
 
-    if state.api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=state.api_key)
+    app.add_middleware(_ConcurrencyLimit, limit=limits.limit_concurrency)
+    if state.api_key:  # outermost: a request without the key takes no slot
+        app.add_middleware(
+            _ApiKeyMiddleware, api_key=state.api_key, guard_metrics=state.guard_metrics
+        )
     return app
 
 
@@ -1013,6 +1135,69 @@ def server_url(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
+class _BoundedHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds uvicorn lacks: a connection beyond
+    ``max_connections`` is closed as it is accepted (the descriptors stay bounded), a request's
+    headers must arrive within ``timeout_header`` of its first byte (or of the connection's
+    start: a silent connection is a slow header) and its body within ``timeout_body`` of them.
+    A slow header gets a 408; a slow body is closed, and the handler logs it in one line."""
+
+    def __init__(self, limits: ServeLimits, max_connections: int, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self.max_connections = max_connections
+        self.deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.abort()  # the descriptor is freed now; connection_lost forgets it
+            return
+        self._arm(self.limits.timeout_header, self._slow_header)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self.deadline is None:  # the header clock runs from the connection's start
+            self._arm(self.limits.timeout_header, self._slow_header)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._arm(self.limits.timeout_body, self._slow_body)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+    def _arm(self, seconds: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self.deadline = self.loop.call_later(seconds, callback)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _slow_header(self) -> None:
+        self.deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:  # no response is being written
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            )
+        self.transport.close()
+
+    def _slow_body(self) -> None:
+        self.deadline = None
+        if self.cycle is not None and not self.transport.is_closing():
+            self.cycle.scope["nanokv.body_timeout"] = self.limits.timeout_body
+            self.transport.close()  # the handler sees a disconnect
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server with nanokv's signal handling: the first SIGTERM drains, SIGINT (or a
     second signal) aborts what is in flight; the signals are not re-raised afterwards."""
@@ -1037,6 +1222,16 @@ class _Uvicorn(uvicorn.Server):
             self.loop.call_soon_threadsafe(self.on_signal, sig, again)
 
 
+def _commit_kv_cache(engine) -> None:
+    """A server keeps its KV cache: commit it before listening (ModelRunner.commit_kv_cache),
+    so RSS stays level under load (issue #27's "something other than the cache grows" was the
+    cache being faulted in block by block). Tensor parallel: rank 0's shard."""
+    runner = getattr(engine.executor, "runner", engine.executor)
+    commit = getattr(runner, "commit_kv_cache", None)
+    if commit is not None:
+        commit()
+
+
 @dataclass
 class ServeResult:
     exit_code: int
@@ -1057,12 +1252,16 @@ def serve(
     live: bool = False,
     console=None,
     shutdown_timeout: float = 30.0,
+    limits: ServeLimits | None = None,
+    guard_metrics: bool = False,
 ) -> ServeResult:
     """Serve ``llm`` on ``sock`` until a signal (or an engine failure); write the report."""
     from .driver import EngineClock, live_view
     from .report import write_json_atomic
 
     engine = llm.engine
+    limits = limits or ServeLimits()
+    _commit_kv_cache(engine)
     url = server_url(sock)
     config = {**config, "server": url, "served_model_name": model_name}
     with Run(
@@ -1082,8 +1281,9 @@ def serve(
             model_name=model_name,
             default_max_tokens=default_max_tokens,
             api_key=api_key,
+            guard_metrics=guard_metrics,
         )
-        app = create_app(state)
+        app = create_app(state, limits)
         with ExitStack() as stack:
             view = None
             if live:
@@ -1096,6 +1296,8 @@ def serve(
                 timeout_graceful_shutdown=shutdown_timeout,
                 lifespan="off",
                 ws="none",
+                http=functools.partial(_BoundedHttp, limits, limits.max_connections()),
+                timeout_keep_alive=limits.timeout_keep_alive,
             )
 
             def on_signal(sig: int, again: bool) -> None:

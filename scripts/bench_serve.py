@@ -64,7 +64,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=None, help="per request (default 64)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size", type=int, default=None, help="default 16; burst: the server's default"
+    )
     p.add_argument("--system-repeat", type=int, default=2, help="copies of the system prompt")
     p.add_argument("--disconnect", type=float, default=0.2, help="fraction of clients that leave")
     p.add_argument("--repeat", type=int, default=None, help="runs of each side (default 3)")
@@ -78,6 +80,17 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="a smaller workload (smoke test)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument(
+        "--burst",
+        action="store_true",
+        help="the burst scenario instead (below): 16 clients arrive while 4 streams decode",
+    )
+    p.add_argument(
+        "--step-latency-target-ms",
+        type=float,
+        default=None,
+        help="burst: the server's --step-latency-target-ms (default: serve's own default)",
+    )
     args = p.parse_args()
     if args.max_tokens is None:
         args.max_tokens = 16 if args.quick else 64
@@ -102,17 +115,21 @@ def conversations(args: argparse.Namespace) -> list[list[dict[str, str]]]:
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace, workdir: str, deadline: float) -> None:
+    def __init__(
+        self, args: argparse.Namespace, workdir: str, deadline: float, extra: list[str] = ()
+    ) -> None:
         env = dict(os.environ)
         if args.threads is not None:
             env["OMP_NUM_THREADS"] = str(args.threads)
         cmd = [sys.executable, "-m", "nanokv_cli.cli", "serve", "--port", "0", "--no-live"]
-        cmd += ["--block-size", str(args.block_size)]
+        if args.block_size is not None:
+            cmd += ["--block-size", str(args.block_size)]
+        cmd += list(extra)
         if args.model:
             cmd += ["--model", args.model]
-        self.err_path = Path(workdir) / "server.err"
+        self.err_path = Path(workdir) / f"server{len(extra)}.err"
         self.err = open(self.err_path, "w")  # noqa: SIM115
-        self.out = open(Path(workdir) / "server.out", "w")  # noqa: SIM115
+        self.out = open(Path(workdir) / f"server{len(extra)}.out", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=self.err, env=env)
         self.url = self._wait(deadline)
 
@@ -235,6 +252,11 @@ def settled(server: Server, timeout: float = 30.0) -> dict[str, float]:
 
 def main() -> None:
     args = parse_args()
+    if args.burst:
+        burst_main(args)
+        return
+    if args.block_size is None:
+        args.block_size = 16
     deadline = time.monotonic() + args.timeout
     threads = set_threads(args.threads)
     convs = conversations(args)
@@ -347,6 +369,170 @@ def main() -> None:
         "  OK" if not failures else "  FAILED: " + "; ".join(failures),
     ]
     emit(result, args.json, lines)
+    sys.exit(1 if failures else 0)
+
+
+# -- the burst scenario ---------------------------------------------------------------------
+#
+# 4 streams decode; then 16 clients sharing a system prompt start together. On today's fixed
+# token budget one step takes every new prompt (seconds on a CPU) and the 4 streams freeze;
+# under the step budget a step takes only what keeps it near its latency target. One server
+# per setting, in the same run: the default settings, and the budget switched off (0).
+
+BURST_STREAMS, BURST_CLIENTS, QUIET_TOKENS = 4, 16, 40
+
+
+async def timed_stream(http, url: str, messages, max_tokens: int, stop: asyncio.Event) -> dict:
+    """One streaming chat request: the arrival time of each text chunk (until ``stop``) and
+    its prompt's tokens (from the usage chunk)."""
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    times: list[float] = []
+    tail = b""
+    async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise SystemExit(f"HTTP {r.status}: {(await r.read())[:200]!r}")
+        seen = 0
+        async for data in r.content.iter_any():
+            now = time.perf_counter()
+            seen += data.count(b'"content"')
+            # The first event carries the role (no content): token chunks are the rest.
+            times += [now] * max(0, seen - len(times) - 1)
+            tail = (tail + data)[-4096:]
+            if stop.is_set():
+                r.close()  # the scenario is over: this stream leaves (and is aborted)
+                break
+    m = re.search(rb'"prompt_tokens": ?(\d+)', tail)
+    return {"times": times, "prompt_tokens": int(m.group(1)) if m else 0}
+
+
+async def burst_run(url: str, args, system: str, new_tokens: int) -> dict:
+    def chat(i: int) -> list[dict[str, str]]:
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Question {i}: what does block {i} hold?"},
+        ]
+
+    connector = aiohttp.TCPConnector(limit=64)
+    timeouts = aiohttp.ClientTimeout(total=args.timeout)
+    stop_old, never = asyncio.Event(), asyncio.Event()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeouts) as http:
+        old = [
+            asyncio.create_task(timed_stream(http, url, chat(100 + i), 4000, stop_old))
+            for i in range(BURST_STREAMS)
+        ]
+        # The quiet phase: the streams decode alone until each has QUIET_TOKENS tokens. The
+        # tasks' lists fill in as chunks arrive, so poll the server's count instead.
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.05 * QUIET_TOKENS + 60:
+            await asyncio.sleep(0.05)
+            done = httpx.get(f"{url}/metrics", timeout=30).text
+            m = re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)", done, re.M)
+            if m and float(m.group(1)) >= BURST_STREAMS * (QUIET_TOKENS + 5):
+                break
+        burst_start = time.perf_counter()
+        new = await asyncio.gather(
+            *(timed_stream(http, url, chat(i), new_tokens, never) for i in range(BURST_CLIENTS))
+        )
+        burst_end = time.perf_counter()
+        stop_old.set()
+        old_times = [r["times"] for r in await asyncio.gather(*old)]
+    prompt_tokens = sum(r["prompt_tokens"] for r in new)
+    new = [r["times"] for r in new]
+    quiet, during = [], []
+    for times in old_times:
+        for a, b in zip(times, times[1:]):
+            if b <= burst_start:
+                quiet.append(b - a)
+            elif a >= burst_start - 1.0 and b <= burst_end:
+                during.append(b - a)
+    quiet = quiet[len(quiet) // 4 :]  # past the streams' own first tokens
+    ttft = [t[0] - burst_start for t in new if t]
+    new_itl = [b - a for t in new for a, b in zip(t, t[1:])]
+    generated = sum(len(t) for t in new) + sum(
+        sum(1 for x in t if burst_start <= x <= burst_end) for t in old_times
+    )
+    return {
+        "quiet_itl_s": percentiles(quiet),
+        "burst_itl_s": percentiles(during),
+        "burst_max_gap_s": max(during, default=0.0),
+        "new_ttft_s": percentiles(ttft),
+        "new_itl_s": percentiles(new_itl),
+        "burst_s": burst_end - burst_start,
+        "generated_tokens": generated,
+        "prompt_tokens": prompt_tokens,
+        # Tokens computed in the burst window: the new prompts and every token generated.
+        "tokens_per_s": (prompt_tokens + generated) / (burst_end - burst_start),
+    }
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    from nanokv_cli.report import percentiles as pct
+
+    return pct(values)
+
+
+def burst_main(args: argparse.Namespace) -> None:
+    deadline = time.monotonic() + args.timeout
+    new_tokens = 16 if args.quick else 64
+    system = SYSTEM * args.system_repeat
+    settings = {
+        "default": []
+        if args.step_latency_target_ms is None
+        else ["--step-latency-target-ms", str(args.step_latency_target_ms)],
+        "fixed budget": ["--step-latency-target-ms", "0"],
+    }
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="bench_serve.") as work:
+        for name, extra in settings.items():
+            server = Server(args, work, deadline, extra)
+            try:
+                asyncio.run(
+                    clients(server.url, [[{"role": "user", "content": "hi"}]], 4, set(), 300)
+                )
+                runs[name] = asyncio.run(burst_run(server.url, args, system, new_tokens))
+            finally:
+                server.kill()
+    base, new = runs["fixed budget"], runs["default"]
+    ratio = new["tokens_per_s"] / base["tokens_per_s"]
+    quiet = new["quiet_itl_s"]["p50"]
+    failures = []
+    if new["burst_itl_s"]["p99"] > 3 * quiet:
+        failures.append(
+            f"running streams' p99 ITL {new['burst_itl_s']['p99'] * 1e3:.0f} ms > 3x quiet"
+        )
+    if new["burst_max_gap_s"] > 2.0:
+        failures.append(f"a stream waited {new['burst_max_gap_s']:.2f} s")
+    if ratio < 0.9:
+        failures.append(f"tokens/s ratio {ratio:.3f} < 0.9")
+    ms = lambda p: f"p50 {p['p50'] * 1e3:7.1f} ms, p99 {p['p99'] * 1e3:7.1f} ms"  # noqa: E731
+    lines = [
+        f"burst: {BURST_CLIENTS} clients sharing a system prompt arrive while {BURST_STREAMS} "
+        f"streams decode ({new_tokens} tokens each); default settings vs the fixed budget",
+    ]
+    for name, run in (("default", new), ("fixed budget", base)):
+        lines += [
+            f"  {name}:",
+            f"    running streams  quiet ITL {ms(run['quiet_itl_s'])}",
+            f"                     burst ITL {ms(run['burst_itl_s'])}, longest wait "
+            f"{run['burst_max_gap_s'] * 1e3:.0f} ms",
+            f"    new clients      TTFT      {ms(run['new_ttft_s'])}",
+            f"                     ITL       {ms(run['new_itl_s'])}",
+            f"    burst            {run['burst_s']:.2f} s, {run['tokens_per_s']:.0f} tokens/s (prompt + generated)",
+        ]
+    lines += [
+        f"  running streams' burst p99 / quiet p50: {new['burst_itl_s']['p99'] / quiet:.2f}x "
+        "(required <= 3)",
+        f"  tokens/s default / fixed budget: {ratio:.3f} (required >= 0.9)",
+        "  OK" if not failures else "  FAILED: " + "; ".join(failures),
+    ]
+    emit({"runs": runs, "ratio": ratio, "failures": failures}, args.json, lines)
     sys.exit(1 if failures else 0)
 
 

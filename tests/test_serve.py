@@ -361,15 +361,16 @@ def test_unknown_paths_and_methods(server):
     assert httpx.get(f"{server.url}/v1/models/other", headers=headers).status_code == 404
 
 
-def test_every_endpoint_but_health_needs_the_key(server):
+def test_v1_needs_the_key_health_and_metrics_do_not(server):
     for key in (None, "wrong-key", KEY + "x"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        for path in ("/v1/models", "/metrics", "/v1/nothing"):
+        for path in ("/v1/models", "/v1/nothing"):
             r = httpx.get(f"{server.url}{path}", headers=headers)
             assert r.status_code == 401, path
             assert r.json()["error"]["code"] == "invalid_api_key"
         assert post(server, "/v1/completions", OK_PROMPT, key=key).status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200  # as vLLM's: scrapers read it
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": KEY}).status_code == 401
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -523,6 +524,12 @@ def test_a_signal_during_load_drains_or_aborts_and_writes_trace_and_report(tiny,
         assert code == 130 and "interrupted" in log, log
         assert results.count("length") < 8, results
         assert saved["interrupted"] is True and saved["requests"] < 8
+        # What the aborted requests had streamed is counted, and said to be theirs.
+        finished = saved["requests"] * 300
+        assert saved["output_tokens"] > finished, saved
+        assert saved["output_tokens_aborted"] == saved["output_tokens"] - finished
+        summary = (tmp_path / "server.out").read_text()  # printed on stdout
+        assert "aborted" in summary and "for aborted requests" in summary, summary
     assert saved["requests_added"] == 8
 
 

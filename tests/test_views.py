@@ -203,6 +203,26 @@ def test_summary_table_shows_every_headline_number():
     assert rows["last-block"] == ["50", "6%"] and rows["partial"] == ["200", "25%"]
 
 
+def test_every_latency_figure_is_labelled_and_aborted_streams_count():
+    report = {
+        **REPORT,
+        "requests_aborted": 3,
+        "output_tokens_aborted": 57,
+        "e2e_latency_s": {"mean": 1.5, "p50": 1.0, "p90": 2.0, "p99": 3.0},
+    }
+    lines = text_of(summary_table(report)).splitlines()
+    for label, figures in (
+        ("time to first token", ("p50 50.0 ms", "mean 100.0 ms", "p90 200.0 ms", "p99 300.0 ms")),
+        ("inter-token latency", ("p50 10.0 ms", "mean 10.0 ms", "p90 20.0 ms", "p99 30.0 ms")),
+        ("request latency", ("p50 1,000.0 ms", "mean 1,500.0 ms", "p99 3,000.0 ms")),
+    ):
+        [line] = [x for x in lines if x.startswith(label)]
+        for figure in figures:
+            assert figure in line, (figure, line)
+    assert any("of 10 added, 3 aborted" in x for x in lines)
+    assert any(x.startswith("output tokens") and "57 of them for aborted" in x for x in lines)
+
+
 def test_comparison_table_and_chart_mark_the_bound():
     reports = [
         {

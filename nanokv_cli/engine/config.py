@@ -245,6 +245,10 @@ class EngineConfig:
     # this config (only dry runs took the engine's 8192).
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's own limit (see model_len)
+    # While sequences decode, a step takes only the prompt tokens that keep it under this
+    # many milliseconds, at the costs measured as the run goes (step_budget.py); None or 0:
+    # up to max_num_batched_tokens (a throughput run: nobody is waiting for each token).
+    step_latency_target_ms: float | None = None
     # -- model execution
     dtype: str | None = None  # None or "auto": float32 on CPU, bfloat16/float16 on CUDA
     device: str | None = None  # None: cuda if available, else cpu
@@ -269,6 +273,13 @@ class EngineConfig:
             raise ValueError(
                 f"threads={self.threads}: this process may run on {cpus} CPU"
                 f"{'s' if cpus != 1 else ''} (its affinity mask); use at most {cpus}"
+            )
+        target = self.step_latency_target_ms
+        if target is not None and (
+            isinstance(target, bool) or not isinstance(target, Real) or not 0 <= target < 1e9
+        ):
+            raise ValueError(
+                f"step_latency_target_ms must be a number of milliseconds >= 0, got {target!r}"
             )
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, Real) or not 0 < u <= 1:

@@ -19,6 +19,7 @@ from .events import EventBus, SequenceAdded, StepSnapshot
 from .sampling_params import SamplingParams
 from .scheduler import RequestRejected, Scheduler
 from .sequence import Sequence, SequenceStatus
+from .step_budget import StepBudget
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "Executor"]
 
@@ -74,6 +75,11 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_ids=eos_token_ids,
             on_event=self.events,
+            step_budget=(
+                StepBudget(config.step_latency_target_ms / 1000)
+                if config.step_latency_target_ms
+                else None
+            ),
         )
         if clock is None:
             start = time.perf_counter()
@@ -164,7 +170,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.block_manager.step = self.num_steps
         seqs: list[Sequence] = []
+        budgeted = self.scheduler.step_budget is not None
         try:
+            started = self.clock if budgeted else 0.0
             seqs = self.scheduler.schedule()
             token_ids = self.executor.run(seqs) if seqs else []
             listening = bool(self.events)
@@ -172,6 +180,8 @@ class LLMEngine:
                 scheduled = [(s.seq_id, s.num_scheduled_tokens, s.is_prefill) for s in seqs]
             advanced = self.scheduler.postprocess(seqs, token_ids)
             now = self.clock
+            if budgeted:  # on the engine's clock: a dry run's virtual steps fit the same way
+                self.scheduler.step_done(now - started)
             outputs = self._record(advanced, now)
             if listening:
                 self._snapshot(scheduled, time.perf_counter() - t0, now)

@@ -96,6 +96,22 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return resolved
 
 
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux for transparent huge pages over a large CPU tensor's whole 2 MiB pages
+    (``madvise(MADV_HUGEPAGE)``; THP's "madvise" mode grants them only so); whether it was."""
+    huge, madv_hugepage = 2 << 20, 14
+    start = -(-tensor.data_ptr() // huge) * huge
+    end = (tensor.data_ptr() + tensor.nbytes) // huge * huge
+    if not sys.platform.startswith("linux") or end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(start, end - start, madv_hugepage) == 0
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse instead of returning it to the OS.
 
@@ -408,6 +424,22 @@ class ModelRunner:
             seqs.append(seq)
         self.run_logits(seqs)
         torch.cuda.synchronize()
+
+    def commit_kv_cache(self) -> None:
+        """Write every page of a CPU KV cache now, for a process that will keep it (a server).
+
+        The cache is allocated uninitialised, so its pages are faulted in as blocks are first
+        used, and the free queue hands out never-used blocks before reused ones: a server's RSS
+        then climbs for as long as the cache has untouched blocks. Committed at start-up, the
+        memory is all there from the first request, and a cache the machine cannot hold fails
+        here, not under load. Huge pages where the kernel grants them (madvise): 4 GiB commits
+        in ~0.5 s instead of 1.2-2.5 s of 4 KiB page faults here, and attention's reads need
+        fewer TLB entries.
+        """
+        if self.kv_cache.device.type != "cpu":
+            return
+        advise_huge_pages(self.kv_cache)
+        self.kv_cache.zero_()
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         layer = self.attention_layers[0]

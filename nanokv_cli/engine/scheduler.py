@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from .block_manager import BlockManager
 from .events import EventListener, SequenceFinished, SequencePreempted
 from .sequence import Sequence, SequenceStatus
+from .step_budget import StepBudget
 
 
 class RequestRejected(ValueError):
@@ -40,7 +41,10 @@ class Scheduler:
         max_model_len: int | None = None,
         eos_token_ids: Iterable[int] = (),
         on_event: EventListener | None = None,
+        step_budget: StepBudget | None = None,
     ) -> None:
+        """``step_budget``: while sequences decode, a step takes only the prompt tokens that
+        keep it under a latency target (step_budget.py); None: up to the token budget."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -52,6 +56,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_prefilling = 0  # waiting sequences that already hold blocks (mid-prefill)
+        self.step_budget = step_budget
+        self._planned = (0, 0)  # the last step's decode rows and prompt tokens
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -87,8 +93,17 @@ class Scheduler:
         """Pick this step's sequences and set each one's ``num_scheduled_tokens``."""
         decodes = self._schedule_decodes()
         budget = self.max_num_batched_tokens - len(decodes)
+        if self.step_budget is not None:
+            budget = self.step_budget.prompt_tokens(len(decodes), budget)
         prefills = self._schedule_prefills(budget, self.max_num_seqs - len(decodes))
+        if self.step_budget is not None:
+            self._planned = (len(decodes), sum(s.num_scheduled_tokens for s in prefills))
         return decodes + prefills
+
+    def step_done(self, seconds: float) -> None:
+        """How long the step just scheduled took, for the step budget's cost model."""
+        if self.step_budget is not None:
+            self.step_budget.observe(*self._planned, seconds)
 
     def _schedule_decodes(self) -> list[Sequence]:
         bm = self.block_manager

@@ -35,9 +35,19 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     table.add_column(justify="right", no_wrap=True)
     table.add_column(style="dim")
     r = report
-    table.add_row("requests", f"{r['requests']:,}", f"of {r['requests_added']:,} started")
-    table.add_row("prompt tokens", f"{r['prompt_tokens']:,}", "")
-    table.add_row("output tokens", f"{r['output_tokens']:,}", "")
+    aborted = r.get("requests_aborted", 0)
+    table.add_row(
+        "requests finished",
+        f"{r['requests']:,}",
+        f"of {r['requests_added']:,} added" + (f", {aborted:,} aborted" if aborted else ""),
+    )
+    table.add_row("prompt tokens", f"{r['prompt_tokens']:,}", "of finished requests")
+    streamed = r.get("output_tokens_aborted", 0)
+    table.add_row(
+        "output tokens",
+        f"{r['output_tokens']:,}",
+        f"{streamed:,} of them for aborted requests" if streamed else "",
+    )
     table.add_row(
         "prefix-cache hit rate",
         _pct(r["hit_rate"]),
@@ -79,10 +89,16 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     table.add_row("throughput", f"{r['output_throughput']:,.1f} tok/s", "output tokens")
     table.add_row("", f"{r['total_token_throughput']:,.1f} tok/s", "prompt + output")
     table.add_row("", f"{r['request_throughput']:,.2f} req/s", "")
-    for key, label in (("ttft_s", "time to first token"), ("itl_s", "inter-token latency")):
+    latencies = (
+        ("ttft_s", "time to first token"),
+        ("itl_s", "inter-token latency"),
+        ("e2e_latency_s", "request latency"),
+    )
+    for key, label in latencies:
         if key in r:
             p = r[key]
-            table.add_row(label, _ms(p["p50"]), f"p90 {_ms(p['p90'])} · p99 {_ms(p['p99'])}")
+            spread = f"mean {_ms(p['mean'])} · p90 {_ms(p['p90'])} · p99 {_ms(p['p99'])}"
+            table.add_row(label, f"p50 {_ms(p['p50'])}", spread)
     return table
 
 
