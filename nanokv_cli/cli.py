@@ -1104,7 +1104,8 @@ def _dry_runs(
                     "block_size": bs,
                     "prefix_caching": engine_config.enable_prefix_caching,
                 },
-                latencies=False,
+                # On the virtual clock: per-request lines carry them, labelled (their "clock").
+                latencies=per_request is not None,
                 live=live,
                 progress=progress,
                 record=record,
@@ -1503,6 +1504,15 @@ def _trace_summary(path: Path, json_out: bool) -> None:
         f"[b]{path}[/b]: trace version {info['version']}, {info['steps']:,} steps, "
         f"{info['num_events']:,} events, {info['file_bytes']:,} bytes, "
         f"{info['checkpoints']:,} checkpoints"
+    )
+    c = info["cache"]
+    if info["requests"] is not None:
+        console.print(f"{info['requests']:,} requests (ids 0 to {max(0, info['requests'] - 1):,})")
+    console.print(
+        f"prefix-cache hit rate {c['hit_rate']:.1%}: {c['cache_hits']:,} of "
+        f"{c['cache_queries']:,} prompt tokens (first admissions; shared "
+        f"{c['shared_hit_tokens']:,}, revived {c['revived_hit_tokens']:,}), "
+        f"{c['evictions']:,} evictions, {c['preemptions']:,} preemptions"
     )
     for name, n in sorted(info["events"].items(), key=lambda kv: -kv[1]):
         console.print(f"  {name:<18} {n:>12,}")

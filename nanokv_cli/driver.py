@@ -482,11 +482,15 @@ class Run:
             if self.per_request is not None:
                 records = stack.enter_context(open_output(self.per_request, "--per-request"))
 
+                virtual = self.config.get("dry_run", False)
+
                 def write_record(rec: dict[str, Any]) -> None:
+                    if virtual:  # its latencies are the dry run's virtual seconds
+                        rec["clock"] = "virtual"
                     records.write(json.dumps(rec) + "\n")
                     records.flush()  # one line per request as it finishes: Ctrl-C loses nothing
 
-            self.stats = RunStats(self.infinite, on_request=write_record)
+            self.stats = RunStats(self.infinite, on_request=write_record, latencies=self.latencies)
             stack.callback(engine.events.subscribe(self.stats))
             if self.record is not None:
                 from .trace import TraceWriter, make_header
@@ -507,7 +511,11 @@ class Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        try:
+            if self.stats is not None:
+                self.stats.flush()
+        finally:
+            self._stack.close()
 
     def tag(self, seq_id: int, **fields: Any) -> None:
         self.stats.tag(seq_id, **fields)

@@ -39,9 +39,13 @@ class RunStats:
         self,
         infinite: InfiniteCache | None = None,
         on_request: Callable[[dict[str, Any]], None] | None = None,
+        latencies: bool = False,
     ) -> None:
+        """``latencies``: ``observe`` is called after every step, so a finished request's
+        record waits for its last token's time; else records carry no latencies."""
         self.infinite = infinite  # fed each prompt as it is added (dry-run upper bound)
         self.on_request = on_request
+        self.latencies = latencies
         self.requests = 0
         self.finished = 0
         self.aborted = 0  # requests dropped before they finished (a client went away)
@@ -57,8 +61,9 @@ class RunStats:
         self.e2e: list[float] = []
         self._last_token_time: dict[int, float] = {}
         self._live: dict[int, dict[str, Any]] = {}  # per-request records until they finish
-        self._latency: dict[int, tuple[float, float]] = {}  # seq_id -> (ttft, e2e)
+        self._ttft: dict[int, float] = {}  # seq_id -> time to its first token
         self._gaps: dict[int, list] = {}  # seq_id -> [sum, count, max] of its inter-token gaps
+        self._finishing: dict[int, dict[str, Any]] = {}  # finished in this step, not observed
 
     def __call__(self, event: Event) -> None:
         t = type(event)
@@ -85,7 +90,6 @@ class RunStats:
                 # No output marks an abort finished: forget its last token time here, or a
                 # server with --report would keep one per disconnected client.
                 self._last_token_time.pop(event.seq_id, None)
-                self._gaps.pop(event.seq_id, None)
             else:
                 self.finished += 1
                 self.prompt_tokens += event.num_prompt_tokens
@@ -93,17 +97,14 @@ class RunStats:
             if self.on_request is not None:
                 rec = self._live.pop(event.seq_id, None)
                 if rec is not None:
-                    ttft, e2e = self._latency.pop(event.seq_id, (None, None))
-                    total, count, longest = self._gaps.pop(event.seq_id, (0.0, 0, None))
                     rec.update(
-                        output_tokens=event.num_completion_tokens,
-                        finish_reason=event.reason,
-                        ttft_s=ttft,
-                        e2e_latency_s=e2e,
-                        itl_mean_s=total / count if count else None,
-                        itl_max_s=longest,
+                        output_tokens=event.num_completion_tokens, finish_reason=event.reason
                     )
-                    self.on_request(rec)
+                    if self.latencies and event.reason != "abort":
+                        # Its last token's time comes with this step's outputs (observe).
+                        self._finishing[event.seq_id] = rec
+                    else:
+                        self._complete(rec, event.seq_id, None)
         elif t is SequencePreempted:
             rec = self._live.get(event.seq_id)
             if rec is not None:
@@ -135,28 +136,46 @@ class RunStats:
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         """Record token latencies from one step's outputs (``now``: the engine clock)."""
         last = self._last_token_time
+        records = self.on_request is not None
         for out in outputs:
             prev = last.get(out.seq_id)
             if prev is None:
                 self.ttft.append(now - out.arrival_time)
-                if self.on_request is not None:  # an aborted request keeps its first token's
-                    self._latency[out.seq_id] = (now - out.arrival_time, None)
+                if records:  # an aborted request keeps its first token's
+                    self._ttft[out.seq_id] = now - out.arrival_time
             else:
                 self.itl.append(now - prev)
+                if records:
+                    gaps = self._gaps.setdefault(out.seq_id, [0.0, 0, 0.0])  # sum, count, max
+                    gaps[0] += now - prev
+                    gaps[1] += 1
+                    gaps[2] = max(gaps[2], now - prev)
             if out.finished:
                 last.pop(out.seq_id, None)
                 self.e2e.append(now - out.arrival_time)
-                if self.on_request is not None:
-                    ttft = out.first_token_time - out.arrival_time
-                    self._latency[out.seq_id] = (ttft, now - out.arrival_time)
+                rec = self._finishing.pop(out.seq_id, None)
+                if rec is not None:
+                    self._complete(rec, out.seq_id, now - out.arrival_time)
             else:
                 last[out.seq_id] = now
-            if prev is not None and self.on_request is not None:
-                gaps = self._gaps.setdefault(out.seq_id, [0.0, 0, 0.0])  # sum, count, max
-                gap = now - prev
-                gaps[0] += gap
-                gaps[1] += 1
-                gaps[2] = max(gaps[2], gap)
+
+    def flush(self) -> None:
+        """Hand over the records still waiting for their last token's time (a step cut short
+        by Ctrl-C returns no outputs): a run that ends writes every finished request."""
+        for seq_id, rec in list(self._finishing.items()):
+            del self._finishing[seq_id]
+            self._complete(rec, seq_id, None)
+
+    def _complete(self, rec: dict[str, Any], seq_id: int, e2e: float | None) -> None:
+        """Hand a finished request's record over, with its latencies."""
+        total, count, longest = self._gaps.pop(seq_id, (0.0, 0, None))
+        rec.update(
+            ttft_s=self._ttft.pop(seq_id, None),
+            e2e_latency_s=e2e,
+            itl_mean_s=total / count if count else None,
+            itl_max_s=longest,
+        )
+        self.on_request(rec)
 
     def report(self, *, duration: float, wall_time: float, **config: Any) -> dict[str, Any]:
         total_tokens = self.prompt_tokens + self.output_tokens

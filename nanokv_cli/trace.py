@@ -62,6 +62,7 @@ from .engine.events import (
 )
 from .engine.mooncake import MAX_LINE_CHARS as MOONCAKE_LINE_CHARS
 from .paths import kind_of, open_output
+from .report import cache_numbers
 
 TRACE_FORMAT = "nanokv-trace"
 TRACE_VERSION = 2
@@ -949,20 +950,27 @@ class TraceReader:
         """Steps, events per type and bytes per record kind, for ``inspect --summary``."""
         counts: dict[str, int] = {}
         last = None
+        snapshot = None  # the last step's: it carries the run's cache counters
         if self._v1 is not None:
             for event in self.events():
                 name = type(event).__name__
                 counts[name] = counts.get(name, 0) + 1
                 if type(event) is StepSnapshot:
-                    last = event.step
+                    last, snapshot = event.step, event
         else:
             self._new_view()
             codes = [0] * len(_CODES)
+            final = None
             for rec in self.records:
                 if rec[0] == b"E":
                     self._count_codes(rec, codes)
-                    last = rec[2]
+                    last, final = rec[2], rec
             counts = {cls.__name__: n for cls, n in zip(_CODES, codes) if n}
+            if final is not None:  # one more record decoded: the counters need no replay
+                snapshots = [
+                    e for e in self._decoded(final, tokens=False) if type(e) is StepSnapshot
+                ]
+                snapshot = snapshots[-1] if snapshots else None
         sizes: dict[str, int] = {}
         for kind, _, _, _, n in getattr(self, "records", []):
             name = {b"H": "header", b"P": "prompts", b"E": "events", b"C": "checkpoints"}[kind]
@@ -975,7 +983,15 @@ class TraceReader:
             "file_bytes": self.path.stat().st_size,
             "record_bytes": sizes,
             "checkpoints": sum(1 for r in getattr(self, "records", []) if r[0] == b"C"),
+            "requests": self.num_requests(),
+            "cache": cache_numbers(snapshot),
         }
+
+    def num_requests(self) -> int | None:
+        """Requests the trace holds (ids 0 to n - 1); None for a version 1 trace."""
+        if self._v1 is not None:
+            return None
+        return max((rec[2] + 1 for rec in self.records if rec[0] == b"P"), default=0)
 
     def _count_codes(self, rec, codes: list[int]) -> None:
         """Add an events record's events per type to ``codes``, without decoding them: only
@@ -1307,7 +1323,9 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
             "record it again to explain misses"
         )
     if prompt is None:
-        raise TraceError(f"{reader.path}: no request {seq_id} in this trace")
+        n = reader.num_requests() if isinstance(reader, TraceReader) else None
+        valid = "" if n is None else f" (its requests are 0 to {n - 1})" if n else " (it has none)"
+        raise TraceError(f"{reader.path}: no request {seq_id} in this trace{valid}")
     return {"seq_id": seq_id, "num_prompt_tokens": prompt, "lookups": lookups}
 
 

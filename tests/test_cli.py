@@ -588,8 +588,21 @@ def test_inspect_summary_and_exports(recorded, tmp_path):
     assert "cannot write --export" in err and err.count("\n") == 1
 
 
+def test_inspect_summary_gives_the_runs_cache_numbers(tmp_path, prompts_jsonl):
+    trace, report = tmp_path / "run.trace", tmp_path / "report.json"
+    ok("replay", prompts_jsonl, "--dry-run", "--record", trace, "--report", report)
+    run = json.loads(report.read_text())
+    info = json_of("inspect", trace, "--summary")
+    assert info["requests"] == run["requests_added"] > 0
+    for key in ("hit_rate", "cache_queries", "cache_hits", "evictions", "preemptions"):
+        assert info["cache"][key] == run[key], key
+    text = ok("inspect", trace, "--summary").stdout
+    assert f"hit rate {run['hit_rate']:.1%}" in " ".join(text.split())
+
+
 def test_bad_request_id_per_request_path_and_old_traces(recorded, tmp_path, prompts_jsonl):
-    assert "no request 99999" in fails(1, "inspect", recorded, "--request", "99999")
+    err = fails(1, "inspect", recorded, "--request", "99999")
+    assert "no request 99999 in this trace (its requests are 0 to 2)" in err
     err = fails(
         1, "replay", prompts_jsonl, "--dry-run", "--per-request", tmp_path / "no" / "r.jsonl"
     )

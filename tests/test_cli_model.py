@@ -117,6 +117,25 @@ def test_replay_with_a_model_reports_latencies_and_records_text(tiny, tmp_path):
     assert "A prefix cache" in texts
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_per_request_lines_carry_every_latency(tiny, tmp_path, dry_run):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"Question {i}?"}) for i in range(3)))
+    lines_file = tmp_path / "requests.jsonl"
+    args = ["replay", path, "--model", tiny, "--block-size", "4", "--max-tokens", "5"]
+    args += ["--per-request", lines_file, "--report", tmp_path / "r.json"]
+    summary = ok(*args, *(["--dry-run"] if dry_run else [])).stdout
+    lines = [json.loads(x) for x in lines_file.read_text().splitlines()]
+    assert len(lines) == 3
+    for rec in lines:
+        assert 0 < rec["ttft_s"] <= rec["e2e_latency_s"], rec
+        assert 0 < rec["itl_mean_s"] <= rec["itl_max_s"], rec
+        assert rec.get("clock") == ("virtual" if dry_run else None)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert max(r["e2e_latency_s"] for r in lines) == pytest.approx(report["e2e_latency_s"]["p99"])
+    assert ("time to first token (virtual)" in summary) == dry_run
+
+
 def test_unknown_model_architecture(tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()

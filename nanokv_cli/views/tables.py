@@ -96,6 +96,8 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     )
     for key, label in latencies:
         if key in r:
+            if r.get("dry_run"):
+                label += " (virtual)"
             p = r[key]
             spread = f"mean {_ms(p['mean'])} · p90 {_ms(p['p90'])} · p99 {_ms(p['p99'])}"
             table.add_row(label, f"p50 {_ms(p['p50'])}", spread)
