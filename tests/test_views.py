@@ -136,6 +136,10 @@ def test_live_view_draws_at_a_bounded_rate_and_leaves_the_last_frame():
     out = con.export_text()
     assert f"step {eng.num_steps - 1}" in out  # the final frame shows the last step
     assert "done 3" in out
+    # ... and the run's rate: every token the steps computed, not the last seconds' none.
+    final = out.split("done · ")[-1].splitlines()[0]
+    assert final.startswith(f"{view.tokens_total:,} tokens in ") and view.tokens_total > 0
+    assert "step · 0 tokens/s" not in out.split("done 3")[-1]
 
 
 def test_live_view_in_a_terminal_restores_the_cursor():

@@ -82,6 +82,8 @@ class LiveView:
         self._rate_samples: deque[tuple[float, int]] = deque()
         self._next_frame = 0.0
         self._live: Live | None = None
+        self._started = time.perf_counter()
+        self._ended: float | None = None  # set for the final frame
 
     # -- listening ---------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class LiveView:
         self._next_frame = t1 + max(self.min_interval, (t1 - t0) / self.budget)
 
     def __enter__(self) -> LiveView:
-        t0 = time.perf_counter()
+        t0 = self._started = time.perf_counter()
         self._live = Live(
             self.render(),
             console=self.console,
@@ -195,6 +197,7 @@ class LiveView:
         t0 = time.perf_counter()
         try:
             if exc[0] is None:
+                self._ended = t0
                 live.update(self.render())  # Live's exit draws it: one final frame, not two
         finally:
             live.__exit__(*exc)  # shows the cursor again, whatever happened
@@ -266,7 +269,14 @@ class LiveView:
             text.append(
                 f" · re-admissions: {s.readmission_hits:,} of {s.readmission_queries:,} tokens hit"
             )
-        text.append(f"     {s.kind} step · {self._tokens_per_s():,.0f} tokens/s")
+        if self._ended is None:
+            text.append(f"     {s.kind} step · {self._tokens_per_s():,.0f} tokens/s")
+        else:  # the final frame: the run's own rate, not the last two seconds' (often none)
+            elapsed = self._ended - self._started
+            rate = self.tokens_total / elapsed if elapsed > 0 else 0.0
+            text.append(
+                f"     done · {self.tokens_total:,} tokens in {elapsed:,.1f} s ({rate:,.0f} tokens/s)"
+            )
         return text
 
     def _sequence_table(self, width: int) -> Text:
