@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 from decimal import Decimal
 from fractions import Fraction
 from math import isfinite
@@ -35,15 +37,26 @@ from nanokv_cli.engine.sequence import Sequence
 PROMPT = "The capital of France is"
 
 
-def nanokv(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def nanokv(*args, bounded: bool = False) -> subprocess.CompletedProcess:
+    """``nanokv ARGS`` in a subprocess; ``bounded``: a refusal that loads no model, under a
+    512 MiB address-space limit and in under 5 s."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+
+    t0 = time.perf_counter()
+    result = subprocess.run(
         [sys.executable, "-m", "nanokv_cli.cli", *map(str, args)],
         env={**os.environ, "COLUMNS": "200"},
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=limit_memory if bounded else None,
     )
+    if bounded:
+        assert time.perf_counter() - t0 < 5.0, args
+    return result
 
 
 # -- finding 1: a temperature too small for float32 is greedy ------------------------------------
@@ -124,7 +137,7 @@ def test_engine_switches_are_booleans():
     [("--seed", 2**64), ("--seed", -(2**63) - 1), ("--top-p", 0), ("--top-p", "nan")],
 )
 def test_the_cli_names_the_flag_of_a_bad_sampling_value(flag, value):
-    result = nanokv("generate", PROMPT, "--max-tokens", 2, flag, value)
+    result = nanokv("generate", PROMPT, "--max-tokens", 2, flag, value, bounded=True)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert flag in result.stderr, result.stderr
@@ -133,7 +146,7 @@ def test_the_cli_names_the_flag_of_a_bad_sampling_value(flag, value):
 def test_a_prompt_file_line_with_a_bad_value_is_one_error_naming_the_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b", "seed": 18446744073709551616}\n')
-    result = nanokv("replay", path, "--dry-run")
+    result = nanokv("replay", path, "--dry-run", bounded=True)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"nanokv: error: {path} line 2: seed must be an integer between {SEED_MIN} and "
@@ -150,7 +163,7 @@ def test_a_prompt_file_line_with_a_bad_value_is_one_error_naming_the_line(tmp_pa
     [["replay", "/proc/self/mem", "--dry-run"], ["inspect", "--prompts", "/proc/self/mem"]],
 )
 def test_a_read_error_names_the_path(command):
-    result = nanokv(*command)
+    result = nanokv(*command, bounded=True)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         "nanokv: error: /proc/self/mem: Input/output error"
