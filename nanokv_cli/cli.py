@@ -1395,6 +1395,14 @@ def inspect(
         int | None, typer.Option(min=1, help="Only the first N prompts of --prompts.")
     ] = None,
     json_out: JsonOpt = False,
+    list_all: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help=f"With --json: every block and sequence (default: the first "
+            f"{JSON_LIST_LIMIT:,} of each, with their counts).",
+        ),
+    ] = False,
     debug: DebugOpt = False,
 ) -> None:
     """Show the KV cache at a recorded step, or how prompts would share blocks.
@@ -1432,21 +1440,30 @@ def inspect(
         elif request is not None:
             _inspect_request(trace, request, json_out)
         elif trace is not None:
-            _inspect_trace(trace, step, json_out)
+            _inspect_trace(trace, step, json_out, list_all)
         else:
             _inspect_prompts(prompts, fmt, block_size, model, chat, limit, json_out)
 
 
-def _inspect_trace(path: Path, step: int | None, json_out: bool) -> None:
+# inspect --json lists this many blocks and sequences unless --all: a cache of 8,000 blocks
+# holds ~4 M token ids, which took 7.9 s and 638 MB to print.
+JSON_LIST_LIMIT = 1000
+
+
+def _inspect_trace(path: Path, step: int | None, json_out: bool, list_all: bool = False) -> None:
     from .trace import TraceReader, describe_state
-    from .views.inspect import render_trace_state
+    from .views.inspect import MAX_ROWS, render_trace_state
 
     reader = TraceReader(path)
     if reader.note:
         print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
     state = reader.state_at(step)
-    info = describe_state(state, reader.block_size, _block_text_decoder(reader))
+    # What is shown is all that is described: the terminal's tables, or --json's lists.
+    limit = None if json_out and list_all else JSON_LIST_LIMIT if json_out else MAX_ROWS
+    info = describe_state(state, reader.block_size, _block_text_decoder(reader), limit=limit)
     if json_out:
+        if info["blocks_listed"] < info["blocks_total"] and sys.stderr.isatty():
+            print(f"nanokv: listing {limit:,} of each (--all for every one)", file=sys.stderr)
         print_json({"trace": str(path), "header": reader.header, **info})
         return
     console = stdout_console()

@@ -521,6 +521,7 @@ class TraceReader:
         except OSError as e:
             raise TraceError(f"{self.path}: {e.strerror}") from None
         self.note: str | None = None  # set when a torn last record was dropped
+        self.header: dict[str, Any] | None = None  # read once the scan has found it
         self._new_view()
         if magic == MAGIC:
             self._v1 = None
@@ -634,7 +635,10 @@ class TraceReader:
         if kind == b"H":
             return MAX_HEADER_BYTES
         if kind == b"C":  # a ref count, hash, table entry and source fit in 64 bytes a block
-            return MAX_RECORD_BYTES + 64 * self.num_blocks
+            # While the scan runs (telling a torn end from a damaged length) there is no
+            # header yet: the largest cache a header may declare bounds it.
+            blocks = self.num_blocks if self.header is not None else MAX_NUM_BLOCKS
+            return MAX_RECORD_BYTES + 64 * blocks
         return MAX_RECORD_BYTES
 
     def _limits(self, kind: bytes) -> dict[str, int]:
@@ -966,11 +970,9 @@ class TraceReader:
                     self._count_codes(rec, codes)
                     last, final = rec[2], rec
             counts = {cls.__name__: n for cls, n in zip(_CODES, codes) if n}
-            if final is not None:  # one more record decoded: the counters need no replay
-                snapshots = [
-                    e for e in self._decoded(final, tokens=False) if type(e) is StepSnapshot
-                ]
-                snapshot = snapshots[-1] if snapshots else None
+            if final is not None:
+                snapshot = self._last_snapshot(final)
+
         sizes: dict[str, int] = {}
         for kind, _, _, _, n in getattr(self, "records", []):
             name = {b"H": "header", b"P": "prompts", b"E": "events", b"C": "checkpoints"}[kind]
@@ -986,6 +988,23 @@ class TraceReader:
             "requests": self.num_requests(),
             "cache": cache_numbers(snapshot),
         }
+
+    def _last_snapshot(self, record) -> StepSnapshot | None:
+        """The last step snapshot of an events record, which carries the run's counters: only
+        that event is decoded (the summary reads no other event, and checks none)."""
+        items = self._payload(record)
+        if type(items) is not list:
+            return None
+        last = next(
+            (it for it in reversed(items) if type(it) is list and it[:1] == [_SNAPSHOT]), None
+        )
+        if last is None:
+            return None
+        try:
+            return _decode(last, None, self.block_size, self.prompt_slice)
+        except (TypeError, ValueError, IndexError) as e:
+            at = record[3] - _PREFIX.size
+            raise TraceError(f"{self.path}: damaged step snapshot at byte {at} ({e})") from None
 
     def num_requests(self) -> int | None:
         """Requests the trace holds (ids 0 to n - 1); None for a version 1 trace."""
@@ -1330,30 +1349,37 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
 
 
 def describe_state(
-    state: CacheState, block_size: int, decode: Callable[[list[int]], str] | None = None
+    state: CacheState,
+    block_size: int,
+    decode: Callable[[list[int]], str] | None = None,
+    *,
+    limit: int | None = None,
 ) -> dict[str, Any]:
     """What ``inspect`` shows: live block tables and every block that is not free-and-clean.
 
     A block's tokens are known once its hash was stored; before that (a partly computed or
     unfinished block) they are read from its sequence's prompt where the prompt reaches.
+    ``limit``: list at most that many blocks and sequences (the counts cover them all).
     """
     holders: dict[int, list[int]] = {}
-    tokens: dict[int, list[int]] = dict(state.block_tokens)
+    tokens = state.block_tokens
     for seq_id, table in state.block_tables.items():
-        prompt = state.prompts.get(seq_id, [])
-        for i, b in enumerate(table):
+        for b in table:
             holders.setdefault(b, []).append(seq_id)
-            if b not in tokens and i * block_size < len(prompt):
-                tokens[b] = list(prompt[i * block_size : (i + 1) * block_size])
     counts = {"free": 0, "cached": 0, "used": 0, "shared": 0}
+    for kind in map(state.state, range(state.num_blocks)):
+        counts[kind] += 1
     blocks = []
     for b in range(state.num_blocks):
+        if limit is not None and len(blocks) >= limit:
+            break
         kind = state.state(b)
-        counts[kind] += 1
         if kind == "free":
             continue
         h = state.block_hash[b]
         toks = tokens.get(b)
+        if toks is None and b in holders:
+            toks = _prompt_block(state, holders[b], b, block_size)
         blocks.append(
             {
                 "block_id": b,
@@ -1367,21 +1393,36 @@ def describe_state(
         )
     live = set(state.block_tables)
     snap = state.last_snapshot
-    from .report import cache_numbers
-
+    seq_ids = sorted(state.block_tables)
     return {
         "step": snap.step if snap else None,
         "snapshot": event_to_dict(snap) if snap else None,
         "cache": cache_numbers(snap),
         "counts": counts,
+        "sequences_total": len(seq_ids),
         "sequences": [
             {
                 "seq_id": seq_id,
                 "num_prompt_tokens": len(state.prompts.get(seq_id, [])),
-                "block_table": table,
+                "block_table": state.block_tables[seq_id],
             }
-            for seq_id, table in sorted(state.block_tables.items())
+            for seq_id in seq_ids[:limit]
         ],
         "waiting": sorted(s for s in state.prompts if s not in live),
+        "blocks_total": sum(n for kind, n in counts.items() if kind != "free"),
+        "blocks_listed": len(blocks),
         "blocks": blocks,
     }
+
+
+def _prompt_block(
+    state: CacheState, seq_ids: list[int], b: int, block_size: int
+) -> list[int] | None:
+    """The tokens of block ``b`` read from a holder's prompt, where the prompt reaches it (a
+    partly computed or unfinished block has no stored tokens)."""
+    for seq_id in seq_ids:
+        i = state.block_tables[seq_id].index(b)
+        prompt = state.prompts.get(seq_id, [])
+        if i * block_size < len(prompt):
+            return list(prompt[i * block_size : (i + 1) * block_size])
+    return None

@@ -588,6 +588,23 @@ def test_inspect_summary_and_exports(recorded, tmp_path):
     assert "cannot write --export" in err and err.count("\n") == 1
 
 
+def test_inspect_lists_what_it_shows_and_all_with_all(recorded, monkeypatch):
+    import nanokv_cli.cli as cli_module
+    import nanokv_cli.views.inspect as inspect_view
+
+    full = json_of("inspect", recorded, "--json", "--all")
+    assert full["blocks_listed"] == full["blocks_total"] == len(full["blocks"]) > 3
+    assert full["sequences_total"] == len(full["sequences"])
+    monkeypatch.setattr(cli_module, "JSON_LIST_LIMIT", 3)
+    capped = json_of("inspect", recorded, "--json")
+    assert capped["blocks_listed"] == len(capped["blocks"]) == 3
+    assert capped["blocks_total"] == full["blocks_total"] and capped["counts"] == full["counts"]
+    assert capped["blocks"] == full["blocks"][:3]  # the same blocks, the same text
+    monkeypatch.setattr(inspect_view, "MAX_ROWS", 2)
+    out = " ".join(ok("inspect", recorded).stdout.split())
+    assert f"… {full['blocks_total'] - 2:,} more blocks not shown" in out
+
+
 def test_inspect_summary_gives_the_runs_cache_numbers(tmp_path, prompts_jsonl):
     trace, report = tmp_path / "run.trace", tmp_path / "report.json"
     ok("replay", prompts_jsonl, "--dry-run", "--record", trace, "--report", report)

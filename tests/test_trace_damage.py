@@ -447,6 +447,19 @@ def test_a_torn_end_is_still_a_note(tmp_path, recorded):
     assert "the last record is torn" in result.stderr
 
 
+def test_a_trace_cut_inside_a_checkpoint_is_torn_too(recorded, tmp_path):
+    # The scan judges a torn checkpoint before it has read the header (hypothesis found it
+    # raising AttributeError there): its limit must not need the header's cache size.
+    ends = boundaries(recorded)
+    kinds = [r[0] for r in read_records(recorded)]
+    i = kinds.index(b"C")
+    start = ends[i - 1]
+    path = write(tmp_path, recorded[: start + _PREFIX.size + (ends[i] - start - _PREFIX.size) // 2])
+    reader = TraceReader(path)
+    assert reader.note and "torn" in reader.note
+    assert reader.state_at().last_snapshot is not None
+
+
 # -- finding 13: every decode path, one message with a reason ----------------------------------------
 
 

@@ -77,9 +77,11 @@ def _sequences_table(info: dict[str, Any], state: CacheState) -> RenderableType:
     table.add_column(
         "block table: logical → physical (shared blocks coloured)", overflow="fold", ratio=1
     )
-    more = len(info["sequences"]) - MAX_ROWS
+    more = info.get("sequences_total", len(info["sequences"])) - min(
+        MAX_ROWS, len(info["sequences"])
+    )
     if more > 0:
-        table.caption = f"… {more:,} more sequences not shown (--json lists them all)"
+        table.caption = f"… {more:,} more sequences not shown (--json --all lists them all)"
     for seq in info["sequences"][:MAX_ROWS]:
         cells = Text()
         for b in seq["block_table"]:
@@ -92,15 +94,16 @@ def _sequences_table(info: dict[str, Any], state: CacheState) -> RenderableType:
     return table
 
 
-# A terminal shows this many rows of a table; --json has them all (a cache can hold 10^4 blocks).
-MAX_ROWS = 200
+# A terminal shows this many rows of a table (a screenful); --json --all has them all (a cache
+# can hold 10^4 blocks, and laying out 200 rows took most of inspect's second).
+MAX_ROWS = 50
 
 
 def _blocks_table(info: dict[str, Any]) -> RenderableType:
     if not info["blocks"]:
         return Text("every block is free and clean", style="dim")
     blocks = info["blocks"]
-    more = len(blocks) - MAX_ROWS
+    more = info.get("blocks_total", len(blocks)) - min(MAX_ROWS, len(blocks))
     table = Table(
         title="Blocks (all but free-and-clean)",
         title_justify="left",
@@ -114,7 +117,7 @@ def _blocks_table(info: dict[str, Any]) -> RenderableType:
     table.add_column("seqs", no_wrap=True, max_width=16, overflow="ellipsis")
     table.add_column("text", no_wrap=True, overflow="ellipsis", ratio=1)
     if more > 0:
-        table.caption = f"… {more:,} more blocks not shown (--json lists them all)"
+        table.caption = f"… {more:,} more blocks not shown (--json --all lists them all)"
     for b in blocks[:MAX_ROWS]:
         glyph, style = block_cell(b["ref_count"], -1 if b["hash"] is None else b["hash"])
         table.add_row(
