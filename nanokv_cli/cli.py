@@ -230,6 +230,7 @@ def root(
     nanokv replay prompts.jsonl --record run.trace
     nanokv replay trace.jsonl --dry-run --block-size 16,64,256
     nanokv inspect run.trace --step 120
+    nanokv doctor                       # what this install and machine give nanokv
     ```
     """
 
