@@ -9,6 +9,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["bench_throughput.py", "bench_decode.py"])
 @pytest.mark.parametrize(
     "modes,extra,message",

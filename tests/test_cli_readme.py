@@ -16,6 +16,10 @@ from typer.testing import CliRunner
 
 from nanokv_cli.cli import app
 
+# Slow as a whole (builds, installs, runs): not in the fast subset (-m 'not slow').
+pytestmark = pytest.mark.slow
+
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 

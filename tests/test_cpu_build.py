@@ -63,6 +63,7 @@ def runnable_variants() -> list[str]:
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [v.name for v in build.VARIANTS])
 def test_the_kernel_tests_pass_under_every_variant(variant):
     if variant not in runnable_variants():

@@ -97,6 +97,7 @@ def test_a_forked_child_gets_the_same_result_on_a_pool_of_its_own():
 
 
 
+@pytest.mark.slow
 def test_jobs_issued_back_to_back_each_run_every_item_once(tmp_path):
     # A replayed step issues its jobs from C with no Python between them, a gap too short for
     # a Python test to hit its races often: tests/csrc/pool_stress.c issues half a million, on

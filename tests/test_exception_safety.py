@@ -265,6 +265,7 @@ def workloads(draw):
     return requests, config
 
 
+@pytest.mark.slow
 def test_an_exception_at_every_point_of_a_step_leaves_the_books_balanced():
     injected = []
     reached: Counter[str] = Counter()

@@ -188,6 +188,7 @@ def runs(models) -> dict[str, Run]:
         return {name: future.result() for name, future in futures.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_cli_run(runs, name):
     case, run = CASES[name], runs[name]

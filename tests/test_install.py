@@ -28,6 +28,10 @@ import pytest
 from nanokv_cli.engine.config import available_cpus
 from nanokv_cli.engine.cpu import build
 
+# Slow as a whole (builds, installs, runs): not in the fast subset (-m 'not slow').
+pytestmark = pytest.mark.slow
+
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
 TIMEOUT_S = 300  # a fresh kernel build takes ~5 s; pip installs take a few

@@ -68,6 +68,7 @@ def test_a_temperature_below_the_epsilon_is_greedy(tiny_temperature):
     assert SamplingParams(temperature=GREEDY_TEMPERATURE).temperature == GREEDY_TEMPERATURE
 
 
+@pytest.mark.slow
 def test_a_tiny_temperature_gives_the_greedy_text_in_the_cli():
     texts = []
     for temperature in (0, 1e-40, 1e-300):

@@ -553,6 +553,7 @@ def serving_section() -> str:
     return readme.split("## Serving", 1)[1].split("\n## ", 1)[0]
 
 
+@pytest.mark.slow
 def test_the_readme_serving_examples_run(tmp_path):
     section = serving_section()
     shell = re.search(r"```bash\n(.*?)```", section, re.S).group(1)

@@ -596,6 +596,7 @@ def answers_of(recorded, tmp_path_factory):
     return answers, steps
 
 
+@pytest.mark.slow
 @settings(
     max_examples=60,
     deadline=None,
