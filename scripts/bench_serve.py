@@ -33,9 +33,7 @@ import asyncio
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,15 +41,14 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import emit, set_threads  # noqa: E402
+from serve_process import ServeProcess, chat_body, settled  # noqa: E402
 
 from nanokv_cli import LLM, SamplingParams  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = (
     "You are the operator's assistant for a paged KV cache inference engine. Keep answers "
     "short and concrete, explain which blocks of the cache a request would share with earlier "
@@ -114,75 +111,19 @@ def conversations(args: argparse.Namespace) -> list[list[dict[str, str]]]:
 # -- the server --------------------------------------------------------------------------------
 
 
-class Server:
-    def __init__(
-        self, args: argparse.Namespace, workdir: str, deadline: float, extra: list[str] = ()
-    ) -> None:
-        env = dict(os.environ)
-        if args.threads is not None:
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        cmd = [sys.executable, "-m", "nanokv_cli.cli", "serve", "--port", "0", "--no-live"]
-        if args.block_size is not None:
-            cmd += ["--block-size", str(args.block_size)]
-        cmd += list(extra)
-        if args.model:
-            cmd += ["--model", args.model]
-        self.err_path = Path(workdir) / f"server{len(extra)}.err"
-        self.err = open(self.err_path, "w")  # noqa: SIM115
-        self.out = open(Path(workdir) / f"server{len(extra)}.out", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=self.err, env=env)
-        self.url = self._wait(deadline)
-
-    def _wait(self, deadline: float) -> str:
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            m = re.search(r"serving .* on (http://\S+)/v1", self.err_path.read_text())
-            if m:
-                try:
-                    if httpx.get(f"{m.group(1)}/health", timeout=5).status_code == 200:
-                        return m.group(1)
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.1)
-        self.kill()
-        raise SystemExit(f"the server did not start:\n{self.err_path.read_text()}")
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                extra = {k: v for k, v in s.labels.items() if k != "model_name"}
-                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in extra.items()) + "}")
-                out[key if extra else s.name] = s.value
-        return out
-
-    def stop(self, timeout: float) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
+def start_server(
+    args: argparse.Namespace, workdir: str, deadline: float, extra: list[str] = ()
+) -> ServeProcess:
+    flags = ["--block-size", str(args.block_size)] if args.block_size is not None else []
+    flags += ["--model", args.model] if args.model else []
+    return ServeProcess([*flags, *extra], workdir, deadline, args.threads, f"server{len(extra)}")
 
 
 async def one_client(
     http: aiohttp.ClientSession, url: str, messages, max_tokens: int, leave_after: int | None
 ) -> dict:
     """One streaming chat request; ``leave_after``: close the stream after that many chunks."""
-    body = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = chat_body(messages, max_tokens)
     t0 = time.perf_counter()
     first = None
     events = 0  # server-sent events so far: the role chunk, one per piece of text, the end
@@ -234,19 +175,6 @@ async def clients(url: str, convs, max_tokens: int, leavers: set[int], timeout: 
         return results, time.perf_counter() - t0
 
 
-def settled(server: Server, timeout: float = 30.0) -> dict[str, float]:
-    """/metrics once nothing runs (the last step's snapshot may lag a disconnect by a step)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        busy = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
-        if (busy == 0 and m["nanokv:kv_cache_blocks{state=used}"] == 0) or (
-            time.monotonic() > deadline
-        ):
-            return m
-        time.sleep(0.1)
-
-
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -269,7 +197,7 @@ def main() -> None:
     llm.generate([llm.chat_prompt(convs[0][:1])], greedy)  # warm: the system prompt is cached
 
     with tempfile.TemporaryDirectory(prefix="bench_serve.") as work:
-        server = Server(args, work, deadline)
+        server = start_server(args, work, deadline)
         try:
             asyncio.run(clients(server.url, convs[:1], args.max_tokens, set(), 300))  # warm
             base_times, serve_times, ttfts = [], [], []
@@ -299,7 +227,7 @@ def main() -> None:
             if ratio < args.min_ratio:
                 failures.append(f"throughput ratio {ratio:.3f} < {args.min_ratio}")
 
-            after = settled(server)
+            after = settled(server, 30.0)
             cached = after["vllm:prefix_cache_hits_total"]
             used = after["nanokv:kv_cache_blocks{state=used}"]
             running = after["vllm:num_requests_running"] + after["vllm:num_requests_waiting"]
@@ -318,7 +246,7 @@ def main() -> None:
             completed = sum(1 for r in results if r.get("reason") == "length")
             if left != n_leave or completed != args.clients - n_leave:
                 failures.append(f"disconnect run: {left} left, {completed} completed")
-            final = settled(server)
+            final = settled(server, 30.0)
             aborts = final.get("vllm:request_success_total{finished_reason=abort}", 0.0) - aborts0
             used2 = final["nanokv:kv_cache_blocks{state=used}"]
             running2 = final["vllm:num_requests_running"] + final["vllm:num_requests_waiting"]
@@ -385,14 +313,7 @@ BURST_STREAMS, BURST_CLIENTS, QUIET_TOKENS = 4, 16, 40
 async def timed_stream(http, url: str, messages, max_tokens: int, stop: asyncio.Event) -> dict:
     """One streaming chat request: the arrival time of each text chunk (until ``stop``) and
     its prompt's tokens (from the usage chunk)."""
-    body = {
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = chat_body(messages, max_tokens)
     times: list[float] = []
     tail = b""
     async with http.post(f"{url}/v1/chat/completions", json=body) as r:
@@ -491,7 +412,7 @@ def burst_main(args: argparse.Namespace) -> None:
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench_serve.") as work:
         for name, extra in settings.items():
-            server = Server(args, work, deadline, extra)
+            server = start_server(args, work, deadline, extra)
             try:
                 asyncio.run(
                     clients(server.url, [[{"role": "user", "content": "hi"}]], 4, set(), 300)

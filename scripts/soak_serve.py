@@ -22,22 +22,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
-import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parents[1]
+from serve_process import ServeProcess, settled  # noqa: E402
+
 BEHAVIOURS = ("complete", "close", "reset", "reset-early")
 WORDS = "cache block prefix token page share evict hash query answer engine stream".split()
 
@@ -63,80 +59,19 @@ def parse_args() -> argparse.Namespace:
 # -- the server --------------------------------------------------------------------------------
 
 
-class Server:
-    def __init__(self, args: argparse.Namespace, workdir: str, deadline: float) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        cmd = [sys.executable, "-m", "nanokv_cli.cli", "serve", "--port", "0", "--no-live"]
-        cmd += ["--threads", str(args.threads), *args.server_arg]
-        if args.model:
-            cmd += ["--model", args.model]
-        self.err_path = Path(workdir) / "server.err"
-        self.err = open(self.err_path, "w")  # noqa: SIM115
-        self.out = open(Path(workdir) / "server.out", "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=self.err, env=env)
-        self.url = self._wait(deadline)
-        host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        self.address = (host, int(port))
-
-    def _wait(self, deadline: float) -> str:
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            m = re.search(r"serving .* on (http://\S+)/v1", self.err_path.read_text())
-            if m:
-                try:
-                    if httpx.get(f"{m.group(1)}/health", timeout=5).status_code == 200:
-                        return m.group(1)
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.1)
-        self.kill()
-        raise SystemExit(f"the server did not start:\n{self.err_path.read_text()}")
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                extra = {k: v for k, v in s.labels.items() if k != "model_name"}
-                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in extra.items()) + "}")
-                out[key if extra else s.name] = s.value
-        return out
-
-    def process(self) -> dict[str, float]:
-        """RSS (MB), threads and open file descriptors of the server process."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        return {
-            "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
-            "threads": int(fields["Threads"]),
-            "fds": len(os.listdir(f"/proc/{self.proc.pid}/fd")),
-        }
-
-    def stop(self, timeout: float) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
-
-
-def settled(server: Server, timeout: float = 60.0) -> dict[str, float]:
-    """/metrics once nothing runs (the last step's snapshot may lag a disconnect by a step)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        busy = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
-        if (busy == 0 and m["nanokv:kv_cache_blocks{state=used}"] == 0) or (
-            time.monotonic() > deadline
-        ):
-            return m
-        time.sleep(0.1)
+def start_server(args: argparse.Namespace, workdir: str, deadline: float) -> ServeProcess:
+    return ServeProcess(
+        [
+            "--threads",
+            str(args.threads),
+            *args.server_arg,
+            *(["--model", args.model] if args.model else []),
+        ],
+        workdir,
+        deadline,
+        args.threads,
+        "server",
+    )
 
 
 # -- the clients -------------------------------------------------------------------------------
@@ -243,14 +178,14 @@ def main() -> None:
     rng = random.Random(args.seed)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="soak_serve.") as work:
-        server = Server(args, work, deadline)
+        server = start_server(args, work, deadline)
         try:
             print(f"soak: {args.rounds} rounds x {args.clients} clients on {server.url}")
             print("round  RSS MB  threads  fds  running waiting used  clients", flush=True)
             for n in range(1, args.rounds + 1):
                 left = deadline - time.monotonic()
                 counts = asyncio.run(one_round(server.address, rng, args, left))
-                m = settled(server)
+                m = settled(server, 60.0)
                 time.sleep(0.5)  # the server closes its side of the last connections
                 row = {"round": n, **server.process(), "clients": counts}
                 row["running"] = m["vllm:num_requests_running"]
