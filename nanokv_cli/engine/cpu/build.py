@@ -28,7 +28,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -218,11 +217,6 @@ def kernels(symbols: tuple[str, ...] = ()) -> Kernels:
     except (OSError, KernelBuildError, subprocess.SubprocessError) as e:
         return Kernels(None, variant, None, False, _missing_note(e))
     return Kernels(lib, variant, path, built, None)
-
-
-def library(symbols: Iterable[str] = ()) -> ctypes.CDLL | None:
-    """This process's kernels library, or None where they are off or cannot be built."""
-    return kernels(tuple(symbols)).lib
 
 
 def _missing_note(e: BaseException) -> str:
