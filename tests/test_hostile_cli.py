@@ -38,7 +38,11 @@ runner = CliRunner()
 
 
 def run(
-    args: list, memory: int = NO_MODEL_MEMORY, code: str | None = None, cwd: Path = REPO
+    args: list,
+    memory: int = NO_MODEL_MEMORY,
+    code: str | None = None,
+    cwd: Path = REPO,
+    timeout: float = TIMEOUT_S,
 ) -> subprocess.CompletedProcess:
     """``nanokv ARGS`` (or ``python -c CODE ARGS``) in a subprocess under the limits."""
 
@@ -54,7 +58,7 @@ def run(
         capture_output=True,
         text=True,
         errors="replace",
-        timeout=TIMEOUT_S,
+        timeout=timeout,
         preexec_fn=limit_memory,
     )
 

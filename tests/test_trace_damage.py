@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +21,8 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_hostile_cli import run as run_limited
+from test_trace import books as trace_books
 from typer.testing import CliRunner
 
 import nanokv_cli.trace as trace_mod
@@ -54,23 +53,10 @@ runner = CliRunner()
 
 
 def run(args: list) -> tuple[subprocess.CompletedProcess, float]:
-    """``nanokv ARGS`` in a subprocess under the limits, and its wall time."""
-
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
-
+    """``nanokv ARGS`` in a subprocess under the limits (test_hostile_cli's runner), and its
+    wall time."""
     t0 = time.perf_counter()
-    result = subprocess.run(
-        [sys.executable, "-m", "nanokv_cli.cli", *map(str, args)],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=TIMEOUT_S,
-        preexec_fn=limit_memory,
-    )
+    result = run_limited(args, memory=MEMORY, timeout=TIMEOUT_S)
     return result, time.perf_counter() - t0
 
 
@@ -553,14 +539,7 @@ def views(reader: TraceReader, steps: list[int]):
 
 
 def books(state):
-    return (
-        state.ref_count,
-        state.block_hash,
-        state.block_tables,
-        {b: list(t) for b, t in state.block_tokens.items()},
-        {s: list(p) for s, p in state.prompts.items()},
-        state.last_snapshot,
-    )
+    return (*trace_books(state), state.last_snapshot)
 
 
 def exported(reader: TraceReader, fmt: str) -> bytes:
