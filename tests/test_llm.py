@@ -1,7 +1,7 @@
 """The whole engine (scheduler + block manager + model runner) through the public ``LLM`` API,
 against Hugging Face transformers' greedy output on the same weights.
 
-The contract (SPEC §4): in float32 with greedy sampling, generated tokens are identical whatever
+The engine's contract: in float32 with greedy sampling, generated tokens are identical whatever
 the block size, prefix caching, chunk size, batch composition and preemption.
 """
 

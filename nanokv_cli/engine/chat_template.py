@@ -35,7 +35,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .tokenizer import ChatTemplateError
+from .tokenizer_errors import ChatTemplateError
 
 # Every value a render makes may add up to this many outputs' worth of characters (garbage
 # included): templates that build their text piecewise stay far below it.

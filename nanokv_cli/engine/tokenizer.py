@@ -12,23 +12,14 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-if TYPE_CHECKING:
-    from .chat_template import TemplateLimits
-
-
-class TokenizerError(ValueError):
-    """The tokenizer files or metadata cannot be turned into a working tokenizer."""
-
-
-class ChatTemplateError(TokenizerError):
-    """The model has no chat template, or its template refused the conversation."""
-
+from .chat_template import TemplateLimits, render_chat_template
+from .tokenizer_errors import ChatTemplateError, TokenizerError  # also importable from here
 
 # llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`) -> the split regex of the matching
 # Hugging Face tokenizer. None means the plain GPT-2 ByteLevel regex.
@@ -83,8 +74,6 @@ class Tokenizer:
         chat_template_name: str = "of the model",
         template_limits: TemplateLimits | None = None,
     ) -> None:
-        from .chat_template import TemplateLimits
-
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
@@ -188,8 +177,6 @@ class Tokenizer:
         context.update(template_kwargs)
         context["messages"] = [dict(m) for m in messages]
         context["add_generation_prompt"] = add_generation_prompt
-        from .chat_template import render_chat_template  # imports this module's errors
-
         return render_chat_template(
             self.chat_template, self.chat_template_name, context, self.template_limits
         )
