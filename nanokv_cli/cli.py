@@ -30,11 +30,15 @@ from .driver import (
     dry_run_engine,
     encode_prompts,
 )
+from .engine.block_manager import PREFIX_MATCH_MODES
 from .engine.config import EngineConfig
 
 # The loader imports torch only when weights are read: dry runs and inspect stay light.
 from .engine.loader import ModelLoadError, default_model_path, load_tokenizer
 from .engine.sampling_params import SamplingParams
+from .fleet import RouterName
+from .fleet_report import FleetOptionError, check_fleet_options
+from .kv_events import KVEventsConfig, parse_kv_events_config
 from .paths import check_model_path, check_outputs
 from .prompts import FORMATS, MAX_LINE_CHARS, PromptFile, PromptRequest, read_prompts
 
@@ -230,6 +234,7 @@ def root(
     nanokv replay prompts.jsonl --record run.trace
     nanokv replay trace.jsonl --dry-run --block-size 16,64,256
     nanokv inspect run.trace --step 120
+    nanokv advise prompts.jsonl         # how to raise the hit rate, each gain measured
     nanokv doctor                       # what this install and machine give nanokv
     ```
     """
@@ -270,6 +275,16 @@ KvMemoryOpt = Annotated[
     ),
 ]
 NoPrefixOpt = Annotated[bool, typer.Option("--no-prefix-cache", help="Turn prefix caching off.")]
+PrefixMatchOpt = Annotated[
+    str,
+    typer.Option(
+        "--prefix-match",
+        metavar="token|block",
+        help="How far prefix reuse reaches: token (past the last whole cached block, the "
+        "leading tokens shared with a cached block are copied) or block (whole blocks only, "
+        "the seed's accounting).",
+    ),
+]
 MaxSeqsOpt = Annotated[
     int | None,
     typer.Option(
@@ -401,6 +416,7 @@ def engine_config_from_flags(
     quantization: str | None,
     threads: int | None,
     step_latency_target_ms: float | None = None,
+    prefix_match: str = "token",
 ) -> EngineConfig:
     """The engine settings of a command's flags (generate, replay and serve share them).
 
@@ -408,11 +424,17 @@ def engine_config_from_flags(
     is a usage error naming its flag or setting.
     """
     check_model_flags(dtype, device, quantization)
+    if prefix_match not in PREFIX_MATCH_MODES:
+        raise typer.BadParameter(
+            f"choose from {', '.join(PREFIX_MATCH_MODES)}, got {prefix_match!r}",
+            param_hint="--prefix-match",
+        )
     given = {
         "block_size": block_size,
         "num_blocks": num_blocks,
         "kv_cache_memory": parse_size(kv_cache_memory) if kv_cache_memory else None,
         "enable_prefix_caching": not no_prefix_cache,
+        "prefix_match": prefix_match,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_model_len": max_model_len,
@@ -476,6 +498,7 @@ def generate(
     num_blocks: Annotated[int | None, typer.Option(min=1, help=NumBlocksHelp)] = None,
     kv_cache_memory: KvMemoryOpt = None,
     no_prefix_cache: NoPrefixOpt = False,
+    prefix_match: PrefixMatchOpt = "token",
     max_num_seqs: MaxSeqsOpt = None,
     max_num_batched_tokens: MaxBatchedOpt = None,
     step_latency_target_ms: StepLatencyOpt = None,
@@ -514,6 +537,7 @@ def generate(
         num_blocks=num_blocks,
         kv_cache_memory=kv_cache_memory,
         no_prefix_cache=no_prefix_cache,
+        prefix_match=prefix_match,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         step_latency_target_ms=step_latency_target_ms,
@@ -851,6 +875,7 @@ def replay_cmd(
     ] = None,
     kv_cache_memory: KvMemoryOpt = None,
     no_prefix_cache: NoPrefixOpt = False,
+    prefix_match: PrefixMatchOpt = "token",
     max_tokens: Annotated[
         int, typer.Option(min=1, help="Tokens to generate for requests that don't say.")
     ] = DEFAULT_MAX_TOKENS,
@@ -897,6 +922,30 @@ def replay_cmd(
             "why the rest missed, latencies.",
         ),
     ] = None,
+    instances: Annotated[
+        int,
+        typer.Option(
+            "--instances",
+            min=1,
+            help="Fleet what-if (with --dry-run): N engines of --num-blocks each behind "
+            "--router, on one virtual timeline; reports per-instance and fleet hit rates "
+            "against one engine with N times the blocks, and the misses cached on another "
+            "instance (elsewhere).",
+        ),
+    ] = 1,
+    router: Annotated[
+        RouterName | None,
+        typer.Option(
+            "--router",
+            help="Fleet routing policy: round-robin; least-loaded (fewest unfinished requests, "
+            "then prompt tokens); prefix (Dynamo's KV router: lowest w * prefill_blocks + "
+            "decode_blocks, prefill_blocks = (tokens still to prefill there + prompt tokens - "
+            "cached prefix blocks there * block size) / block size, decode_blocks = blocks of "
+            "its unfinished requests + this prompt's, w = overlap_score_weight = 1.0). With "
+            "--instances 1 it runs the fleet report for one engine. [default: round-robin]",
+            show_default=False,
+        ),
+    ] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Replay a prompt file or a request trace and report throughput, latency and cache hits.
@@ -914,6 +963,7 @@ def replay_cmd(
     nanokv replay mooncake.jsonl --dry-run --limit 500 --block-size 16,64,256 --num-blocks 2000,8000
     nanokv replay mooncake.jsonl --dry-run --rate 5 --json
     nanokv replay prompts.jsonl --per-request requests.jsonl   # why each request hit or missed
+    nanokv replay mooncake.jsonl --dry-run --instances 4 --router prefix   # a fleet what-if
     ```
     """
     block_sizes = parse_int_list(block_size, "--block-size")
@@ -949,12 +999,20 @@ def replay_cmd(
             "a dry run has no model to size memory for; use --num-blocks",
             param_hint="--kv-cache-memory",
         )
+    try:
+        flags = dict(record=record, per_request=per_request, live=live, several=several)
+        fleet = check_fleet_options(instances, router, dry_run=dry_run, **flags)
+    except FleetOptionError as e:
+        raise typer.BadParameter(str(e), param_hint=e.flag) from None
+    if fleet and sizes:
+        check_dry_run_memory(sizes[0] * instances)  # the one-cache bound's engine
     # One cache for a model run; a dry run takes each (block size, cache size) of the grid.
     engine_config = engine_config_from_flags(
         block_size=block_sizes[0],
         num_blocks=sizes[0] if sizes else None,
         kv_cache_memory=kv_cache_memory,
         no_prefix_cache=no_prefix_cache,
+        prefix_match=prefix_match,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         step_latency_target_ms=step_latency_target_ms,
@@ -988,6 +1046,12 @@ def replay_cmd(
                 requests = build_requests(pf, encoder, defaults, rate_value)
                 config = _run_config(pf, rate_value, dry_run=True)
                 config["model"] = model_label(model) if encoder.loaded else None
+                if fleet:
+                    bs, n = grid[0]
+                    fleet_config = replace(engine_config, block_size=bs, num_blocks=n)
+                    fleet_out = dict(json_out=json_out, report=report, progress=progress)
+                    _fleet_replay(requests, config, fleet_config, instances, router, **fleet_out)
+                    return
                 _dry_runs(
                     grid,
                     requests,
@@ -1010,6 +1074,7 @@ def replay_cmd(
                 config["model"] = llm.model_path
                 config["block_size"] = llm.engine.block_size
                 config["prefix_caching"] = engine_config.enable_prefix_caching
+                config["prefix_match"] = engine_config.prefix_match
                 config["quantization"] = llm.quantization or "none"
                 clock = EngineClock(llm.engine)
                 reports.append(
@@ -1091,7 +1156,7 @@ def _dry_runs(
         engine, clock = dry_run_engine(replace(engine_config, block_size=bs, num_blocks=n))
         # Per run, not per block size: rejected requests (too big for this cache) stay out of
         # both the hit rate and its bound.
-        infinite = InfiniteCache(bs)
+        infinite = InfiniteCache(bs, engine_config.prefix_match)
         label = f"block size {bs}, {n:,} blocks"
         if several and not live and progress:
             print(f"nanokv: configuration {i + 1}/{len(grid)}: {label}", file=sys.stderr)
@@ -1104,6 +1169,7 @@ def _dry_runs(
                     **config,
                     "block_size": bs,
                     "prefix_caching": engine_config.enable_prefix_caching,
+                    "prefix_match": engine_config.prefix_match,
                 },
                 # On the virtual clock: per-request lines carry them, labelled (their "clock").
                 latencies=per_request is not None,
@@ -1116,6 +1182,35 @@ def _dry_runs(
                 label=label if several else None,
             )
         )
+
+
+def _fleet_replay(
+    requests, config, engine_config, instances, router, *, json_out, report, progress
+) -> None:
+    """``replay --dry-run --instances N --router R``: the fleet what-if (fleet.py)."""
+    from .fleet import DEFAULT_ROUTER
+    from .fleet_report import SkippedPrinter, what_if
+    from .views.fleet import fleet_table
+
+    skipped = SkippedPrinter(config["file"])
+    total = len(requests) * (2 if instances > 1 else 1)  # the fleet, then the one-cache bound
+    with _progress(total, progress) as advance:
+        result = what_if(
+            requests,
+            engine_config,
+            instances,
+            router or DEFAULT_ROUTER,
+            run_config=config,
+            on_progress=advance,
+            on_rejected=skipped,
+        )
+    skipped.finish()
+    if json_out:
+        print_json(result)
+    else:
+        stdout_console().print(fleet_table(result))
+    if report is not None:
+        _write_report(report, [result], False)
 
 
 def _write_report(path: Path, reports: list[dict[str, Any]], several: bool) -> None:
@@ -1140,6 +1235,14 @@ def _print_reports(reports: list[dict[str, Any]], several: bool, json_out: bool)
 
 
 # -- serve -------------------------------------------------------------------------------------
+
+
+def _kv_events_flag(text: str) -> KVEventsConfig:
+    """``--kv-events-config``'s JSON (kv_events.py); a bad one is a usage error."""
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command("serve")
@@ -1189,6 +1292,7 @@ def serve_cmd(
     num_blocks: Annotated[int | None, typer.Option(min=1, help=NumBlocksHelp)] = None,
     kv_cache_memory: KvMemoryOpt = None,
     no_prefix_cache: NoPrefixOpt = False,
+    prefix_match: PrefixMatchOpt = "token",
     max_num_seqs: MaxSeqsOpt = None,
     max_num_batched_tokens: MaxBatchedOpt = None,
     step_latency_target_ms: StepLatencyOpt = None,
@@ -1247,6 +1351,19 @@ def serve_cmd(
             help="Seconds a request's body may take after its headers (then closed).",
         ),
     ] = 30.0,
+    kv_events_config: Annotated[
+        KVEventsConfig | None,
+        typer.Option(
+            "--kv-events-config",
+            parser=_kv_events_flag,
+            metavar="JSON",
+            help="Publish the KV cache's events for KV-aware routers (Dynamo, llm-d), as vLLM's "
+            'flag does, e.g. `{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}`. '
+            "Keys as vLLM's: publisher, buffer_steps, hwm, max_queue_size. [default: off]",
+            show_default=False,
+        ),
+    ] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Serve the OpenAI API (completions, chat, streaming) from one engine, with metrics.
@@ -1272,6 +1389,7 @@ def serve_cmd(
         num_blocks=num_blocks,
         kv_cache_memory=kv_cache_memory,
         no_prefix_cache=no_prefix_cache,
+        prefix_match=prefix_match,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         step_latency_target_ms=SERVE_STEP_LATENCY_MS
@@ -1300,6 +1418,7 @@ def serve_cmd(
             "dry_run": False,
             "block_size": llm.engine.block_size,
             "prefix_caching": engine_config.enable_prefix_caching,
+            "prefix_match": engine_config.prefix_match,
             "quantization": llm.quantization or "none",
         }
         result = serve(
@@ -1322,6 +1441,7 @@ def serve_cmd(
                 timeout_body=timeout_body,
             ),
             guard_metrics=guard_metrics,
+            kv_events=kv_events_config,
         )
         stdout_console().print(summary_table(result.report))
     if result.exit_code == 130:
@@ -1529,7 +1649,8 @@ def _trace_summary(path: Path, json_out: bool) -> None:
     console.print(
         f"prefix-cache hit rate {c['hit_rate']:.1%}: {c['cache_hits']:,} of "
         f"{c['cache_queries']:,} prompt tokens (first admissions; shared "
-        f"{c['shared_hit_tokens']:,}, revived {c['revived_hit_tokens']:,}), "
+        f"{c['shared_hit_tokens']:,}, revived {c['revived_hit_tokens']:,}, "
+        f"copied {c['copied_hit_tokens']:,}), "
         f"{c['evictions']:,} evictions, {c['preemptions']:,} preemptions"
     )
     for name, n in sorted(info["events"].items(), key=lambda kv: -kv[1]):
@@ -1545,7 +1666,7 @@ def _inspect_request(path: Path, seq_id: int, json_out: bool) -> None:
     reader = TraceReader(path)
     if reader.note:
         print(f"nanokv: {path}: {reader.note}", file=sys.stderr)
-    info = explain_request(reader, seq_id)
+    info = explain_request(reader, seq_id, _block_text_decoder(reader))
     if json_out:
         print_json({"trace": str(path), "block_size": reader.block_size, **info})
         return
@@ -1573,20 +1694,158 @@ def _inspect_prompts(
         except ValueError as e:  # a synthesized prompt too long to make
             raise CliError(f"{pf.path} line {r.line}: {e}") from None
     info = map_prompt_blocks(token_lists, block_size)
-    if json_out:
-        print_json({"file": str(path), "format": pf.format, **info})
-        return
-    texts = None
-    if pf.format != "mooncake":
-        texts = [r.prompt if r.prompt is not None else _last_message(r) for r in pf.requests]
     decode = None
     if encoder.loaded:
 
         def decode(ids: list[int]) -> str:
             return encoder.tokenizer.decode(ids, skip_special_tokens=False)
 
+    from .divergence import annotate_prompts  # where each prompt parts from an earlier one
+
+    annotate_prompts(info["prompts"], token_lists, [r.token_source for r in pf.requests], decode)
+    if json_out:
+        print_json({"file": str(path), "format": pf.format, **info})
+        return
+    texts = None
+    if pf.format != "mooncake":
+        texts = [r.prompt if r.prompt is not None else _last_message(r) for r in pf.requests]
     console = stdout_console()
     console.print(render_prompt_map(info, texts, console.width, decode, token_lists))
+
+
+# -- advise ------------------------------------------------------------------------------------
+
+
+@app.command("advise")
+def advise_cmd(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            metavar="FILE|TRACE",
+            help="Prompt file or request trace (as `replay` takes), or a trace written by "
+            "`replay --record`.",
+            show_default=False,
+        ),
+    ],
+    fmt: Annotated[
+        str, typer.Option("--format", help=f"Format of a prompt file: {', '.join(FORMATS)}.")
+    ] = "auto",
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="Tokenizer for prompt text. [default: SmolLM2-135M-Instruct]"
+        ),
+    ] = None,
+    chat: ChatOpt = False,
+    block_size: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"Tokens per KV block now. [default: a trace's, else {DEFAULT_BLOCK_SIZE}]",
+            show_default=False,
+        ),
+    ] = None,
+    num_blocks: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"KV cache size now, in blocks. [default: a trace's, else "
+            f"{DRY_RUN_CACHE_TOKENS:,} tokens' worth, as `replay --dry-run`]",
+            show_default=False,
+        ),
+    ] = None,
+    prefix_match: Annotated[
+        str | None,
+        typer.Option(
+            "--prefix-match",
+            metavar="token|block",
+            help="Prefix-match mode now (where the engine has them). [default: the engine's]",
+            show_default=False,
+        ),
+    ] = None,
+    no_prefix_cache: NoPrefixOpt = False,
+    max_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens to generate for requests that don't say.")
+    ] = DEFAULT_MAX_TOKENS,
+    rate: Annotated[
+        str | None,
+        typer.Option(
+            help="Requests per second ('inf': all at once). [default: the file's timestamps, "
+            "else all at once]",
+            show_default=False,
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option(min=1, help="Only the first N requests of a prompt file.")
+    ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Processes that run the grid's dry runs. [default: 2, or 1 on one CPU]",
+            show_default=False,
+        ),
+    ] = None,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """How to raise the prefix-cache hit rate, with every gain measured by a dry run.
+
+    Runs FILE as `replay --dry-run` would (no model), then again at its bounds (a cache that
+    never evicts; block size 1) and with each change it can suggest: other block sizes, a
+    cache x2 and x4, the other prefix-match mode, and prompt layout (a varying first line
+    moved after the shared text). Prints the hit rate against its bounds, the missed tokens by
+    reason, where many prompts part from earlier ones (with the text there), the changes
+    ranked by measured gain, and what the input cannot show.
+
+    **Examples**
+
+    ```
+    nanokv advise prompts.jsonl
+    nanokv advise prompts.jsonl --block-size 64 --json
+    nanokv advise run.trace                  # a recorded run, run again
+    nanokv advise mooncake.jsonl --block-size 512 --num-blocks 8000
+    ```
+    """
+    from . import advise as advising
+
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"choose from {', '.join(FORMATS)}", param_hint="--format")
+    if prefix_match is not None and not advising.HAS_PREFIX_MATCH:
+        raise typer.BadParameter(
+            "this engine has no prefix-match modes", param_hint="--prefix-match"
+        )
+    rate_value = parse_rate(rate)
+    defaults = sampling_defaults(temperature=0.0, max_tokens=max_tokens)
+    with user_errors(debug):
+        check_model_path(model)
+        trace = advising.is_trace(file) if file.is_file() else False
+        header_bs = header_n = None
+        if trace:
+            workload = advising.trace_workload(file)
+            header_bs, header_n = workload.recorded["block_size"], workload.recorded["num_blocks"]
+        bs = block_size or header_bs or DEFAULT_BLOCK_SIZE
+        n = num_blocks or (header_n if bs == header_bs else None) or -(-DRY_RUN_CACHE_TOKENS // bs)
+        check_dry_run_memory(n)
+        settings: dict[str, Any] = {"block_size": bs, "num_blocks": n}
+        settings["enable_prefix_caching"] = not no_prefix_cache
+        if prefix_match is not None:
+            settings["prefix_match"] = prefix_match
+        try:
+            config = EngineConfig(**settings)
+        except (TypeError, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="--prefix-match") from None
+        if not trace:
+            pf = read_prompts(file, fmt, limit)
+            encoder = PromptEncoder(model, chat, max_prompt_tokens=bs * n)
+            workload = advising.prompt_file_workload(pf, encoder, defaults, rate_value)
+        advice = advising.advise(workload, config, jobs or advising.default_jobs())
+    if json_out:
+        print_json(advice)
+        return
+    from .views.advise import render_advice
+
+    stdout_console().print(render_advice(advice))
 
 
 @app.command()
@@ -1613,6 +1872,86 @@ def doctor(json_out: JsonOpt = False) -> None:
         print(render(checks))
     if any(c.status == "fail" for c in checks):
         raise typer.Exit(1)
+
+
+# -- top ---------------------------------------------------------------------------------------
+
+
+@app.command("top")
+def top_cmd(
+    urls: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="URL",
+            help="Running `nanokv serve` servers, e.g. http://127.0.0.1:8000 (several: a fleet).",
+            show_default=False,
+        ),
+    ],
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="NANOKV_API_KEY",
+            show_envvar=True,
+            help="The servers' `--api-key` (the cache stream is under /v1, behind it).",
+            show_default=False,
+        ),
+    ] = None,
+    once: Annotated[
+        bool, typer.Option("--once", help="Print one frame and exit (1 if a server is not up).")
+    ] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="With --once: the frame's numbers as JSON.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between frames at most (piped: exactly).")
+    ] = 1.0,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="With --once: seconds to wait for every server.")
+    ] = 10.0,
+) -> None:
+    """Watch running servers' KV caches live: the block map, hits by kind, misses, tokens/s.
+
+    Reads each server's cache stream (`GET /v1/nanokv/events`). One URL: the live view of
+    that server. Several: one row per server and the fleet's merged figures. A server that
+    stops shows as down until it answers again (a restart is picked up). Ctrl-C exits.
+
+    **Examples**
+
+    ```
+    nanokv top http://127.0.0.1:8000
+    nanokv top http://10.0.0.1:8000 http://10.0.0.2:8000
+    nanokv top localhost:8000 --once --json
+    ```
+    """
+    from . import top as topping
+    from .views.top import Frames, watch
+
+    if json_out and not once:
+        raise typer.BadParameter("--json needs --once", param_hint="--json")
+    with user_errors(False):
+        top = topping.Top(urls, api_key)
+    if once:
+        with top:
+            top.wait(topping.settled, timeout)
+            views = top.views()
+        if json_out:
+            print_json(topping.top_json(views))
+        else:
+            stdout_console().print(Frames(stdout_console()).render(views))
+    else:
+        try:
+            with top:
+                watch(top, stdout_console(), interval)  # returns once every server refused
+        except KeyboardInterrupt:
+            raise typer.Exit(0) from None  # Ctrl-C is the way out of top
+        views = top.views()
+    failed = [v for v in views if v.status != "up"]
+    sys.stdout.flush()  # the frame first, then what went wrong
+    for v in failed:
+        why = v.error or f"no answer within {timeout:g} s"  # still connecting
+        print(f"nanokv: {v.name}: {why}", file=sys.stderr)
+    raise typer.Exit(1 if failed else 0)
 
 
 def _last_message(r: PromptRequest) -> str:

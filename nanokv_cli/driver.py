@@ -490,7 +490,17 @@ class Run:
                     records.write(json.dumps(rec) + "\n")
                     records.flush()  # one line per request as it finishes: Ctrl-C loses nothing
 
-            self.stats = RunStats(self.infinite, on_request=write_record, latencies=self.latencies)
+            divergence = None
+            if self.per_request is not None:  # each line says where its prompt parts
+                from .divergence import DivergenceRecorder, lazy_decoder
+
+                divergence = DivergenceRecorder(lazy_decoder(self.config.get("model")))
+            self.stats = RunStats(
+                self.infinite,
+                on_request=write_record,
+                latencies=self.latencies,
+                divergence=divergence,
+            )
             stack.callback(engine.events.subscribe(self.stats))
             if self.record is not None:
                 from .trace import TraceWriter, make_header

@@ -38,9 +38,9 @@ class LLM:
 
     ``quantization="auto"`` (the default) runs a GGUF file's own quantized blocks (Q4_0, Q4_1,
     Q8_0) as they are, each held once in a layout that serves every batch size (CPU, one
-    rank): ~3x faster single-sequence decoding than float32 in a sixth of the memory. Decode
-    steps round the projections' inputs to int8 per 32 values as llama.cpp does; prompts are
-    computed on 16-bit inputs. Other models and devices run as ``"none"``. ``"int8"`` or
+    rank): ~3x faster single-sequence decoding than float32 in a sixth of the memory. Every
+    row's projection inputs are rounded to 16 bits per 32 values, decode and prompt rows alike,
+    so a sequence's greedy tokens do not depend on what shares its steps. Other models and devices run as ``"none"``. ``"int8"`` or
     ``"int4"`` quantize every layer (a file's 4-bit blocks stay 4-bit). None or ``"none"``
     computes in float32 end to end. After loading, ``quantization`` says what runs ("auto",
     "int8", "int4" or None). See ``engine/cpu/quantize.py``.

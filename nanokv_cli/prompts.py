@@ -344,7 +344,9 @@ def read_mooncake_trace(path: Path) -> Iterator[PromptRequest]:
         raise PromptFileError(f"{path}: not UTF-8 text") from None
 
 
-def map_prompt_blocks(token_lists: list[list[int]], block_size: int) -> dict[str, Any]:
+def map_prompt_blocks(
+    token_lists: list[list[int]], block_size: int, prefix_match: str = "token"
+) -> dict[str, Any]:
     """How prompts would land on KV blocks, which full blocks they share, and why each missed.
 
     The prompts run through the engine's own BlockManager one after another, each computed
@@ -364,6 +366,7 @@ def map_prompt_blocks(token_lists: list[list[int]], block_size: int) -> dict[str
         max(1, total),
         block_size,
         on_event=lambda e: lookups.append(e) if type(e) is CacheLookup else None,
+        prefix_match=prefix_match,
     )
     first_seen: dict[int, int] = {}
     users: dict[int, set[int]] = {}

@@ -9,11 +9,14 @@ counted apart (``readmission_*``); ``miss_tokens`` splits every missed token by 
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .engine.block_manager import MISS_REASONS, BlockManager
 from .engine.events import (
@@ -40,10 +43,14 @@ class RunStats:
         infinite: InfiniteCache | None = None,
         on_request: Callable[[dict[str, Any]], None] | None = None,
         latencies: bool = False,
+        divergence=None,
     ) -> None:
         """``latencies``: ``observe`` is called after every step, so a finished request's
-        record waits for its last token's time; else records carry no latencies."""
+        record waits for its last token's time; else records carry no latencies.
+        ``divergence``: a ``divergence.DivergenceRecorder`` giving each record where its prompt
+        parts from the earlier prompt it shares the most with."""
         self.infinite = infinite  # fed each prompt as it is added (dry-run upper bound)
+        self.divergence = divergence
         self.on_request = on_request
         self.latencies = latencies
         self.requests = 0
@@ -122,6 +129,11 @@ class RunStats:
                     "cached_tokens": 0,
                     "miss_reason": None,
                     "miss_block": None,
+                    "divergence": None
+                    if self.divergence is None
+                    else self.divergence.record(
+                        event.seq_id, event.prompt_token_ids, event.prompt_recipe
+                    ),
                     "preemptions": 0,
                     "readmission_hit_tokens": 0,
                     "arrival_time": event.arrival_time,
@@ -216,6 +228,7 @@ def cache_numbers(snapshot: StepSnapshot | None) -> dict[str, Any]:
             "cache_hits": 0,
             "shared_hit_tokens": 0,
             "revived_hit_tokens": 0,
+            "copied_hit_tokens": 0,
             "readmission_queries": 0,
             "readmission_hits": 0,
             "miss_tokens": dict.fromkeys(MISS_REASONS, 0),
@@ -228,6 +241,7 @@ def cache_numbers(snapshot: StepSnapshot | None) -> dict[str, Any]:
         "cache_hits": s.hits,
         "shared_hit_tokens": s.shared_hits,
         "revived_hit_tokens": s.revived_hits,
+        "copied_hit_tokens": s.copied_hits,
         "readmission_queries": s.readmission_queries,
         "readmission_hits": s.readmission_hits,
         "miss_tokens": {r: s.miss_tokens.get(r, 0) for r in MISS_REASONS},
@@ -256,22 +270,43 @@ def miss_label(rec: dict[str, Any], block_size: int) -> str:
     if reason == "partial":
         return f"partial {rec.get('partial_tokens')}/{block_size} @{rec['miss_block']}"
     if reason == "evicted":
-        return f"evicted @{rec['miss_block']} (step {rec.get('evicted_at_step')})"
+        step = rec.get("evicted_at_step", -1)
+        return f"evicted @{rec['miss_block']}" + (f" (step {step})" if step != -1 else "")
     if reason in ("disabled", "preempted"):
         return reason
+    if below_block(rec, block_size):
+        return "below-block"
     return f"{reason} @{rec['miss_block']}"
+
+
+def below_block(rec: dict[str, Any], block_size: int) -> bool:
+    """Whether a lookup record's prompt is too short to fill one block, so that no block of
+    it can ever hit under whole-block reuse (the engine counts it as ``last-block``)."""
+    n = rec.get("num_tokens", rec.get("prompt_tokens"))
+    return rec.get("miss_reason") == "last-block" and n is not None and n <= block_size
 
 
 def explain_miss(rec: dict[str, Any], block_size: int) -> str:
     """A sentence for a lookup record: why its first missed block missed."""
     reason, b = rec["miss_reason"], rec["miss_block"]
     where = f"block {b}"
+    if below_block(rec, block_size):
+        n = rec.get("num_tokens", rec.get("prompt_tokens"))
+        return (
+            f"below-block: the prompt's {n:,} tokens do not fill one {block_size}-token block, "
+            "so no block of it can be cached (a smaller block size or token-granular reuse can)"
+        )
     return {
         "disabled": "prefix caching is off",
         "preempted": "recomputed after a preemption",
         "last-block": f"{where} holds the prompt's last token, which is always computed",
+        "last-token": "only the prompt's last token missed: it is always computed",
         "in-flight": f"{where} was being computed by another sequence in the same step",
-        "evicted": f"{where} was cached but evicted at step {rec.get('evicted_at_step')}",
+        "evicted": (
+            f"{where} was cached but evicted at step {rec.get('evicted_at_step')}"
+            if rec.get("evicted_at_step", -1) != -1
+            else f"{where}: an earlier prompt shared more of it, but its K/V had left the cache"
+        ),
         "partial": (
             f"{where}: {rec.get('partial_tokens')} tokens shared with an earlier prompt "
             f"< block size {block_size}"
@@ -302,12 +337,26 @@ class InfiniteCache:
 
     The upper bound for the dry-run comparison: each prompt hits the longest prefix of full
     blocks some earlier prompt had (never the block holding its last token, as in the engine),
-    then all its full blocks count as cached.
+    then all its full blocks count as cached. With ``prefix_match="token"`` (the engine's
+    default) it then also hits the longest run of the next block's tokens that an earlier
+    prompt continuing the same prefix shared, all but the prompt's last token at most.
     """
 
-    def __init__(self, block_size: int) -> None:
+    # Token-level: the distinct block contents kept, as bytes, to find the longest shared run;
+    # past this many bytes a lookup counts the whole rest of the block once an earlier
+    # continuation starts with the same token (still an upper bound, looser).
+    MAX_CONTENT_BYTES = 64 << 20
+
+    def __init__(self, block_size: int, prefix_match: str = "token") -> None:
         self.block_size = block_size
+        self.tokens = prefix_match == "token"
         self.seen: set[int] = set()
+        # parent hash -> the sorted contents (big-endian uint32 bytes: byte order is token
+        # order) of the blocks earlier prompts had after it. The longest run shared with any
+        # of them is shared with a neighbour in sorted order.
+        self.continuations: dict[int, list[bytes]] = {}
+        self.first_tokens: set[tuple[int, int]] = set()  # (parent hash, first token)
+        self.content_bytes = 0
         self.prompt_tokens = 0
         self.hit_tokens = 0
 
@@ -317,20 +366,69 @@ class InfiniteCache:
         blocks = []
         prefix = -1
         hitting = True
+        hit_prefix, hit_blocks = -1, 0  # the hash before the first block that missed
+        new: list[tuple[int, int]] = []  # (parent hash, block index) of blocks not seen yet
         for i in range(len(token_ids) // bs):
+            parent = prefix
             prefix = BlockManager.compute_hash(token_ids[i * bs : (i + 1) * bs], prefix)
             hitting = hitting and prefix in self.seen and (i + 1) * bs < len(token_ids)
             if hitting:
                 self.hit_tokens += bs
-            else:
+                hit_prefix, hit_blocks = prefix, i + 1
+            elif prefix not in self.seen:
+                new.append((parent, i))
                 self.seen.add(prefix)
             blocks.append((prefix, hitting))
+        if self.tokens:  # looked up first, then this prompt's own blocks are remembered
+            start = hit_blocks * bs
+            self.hit_tokens += self._shared(hit_prefix, token_ids[start : len(token_ids) - 1])
+            for parent, i in new:
+                self._remember(parent, token_ids[i * bs : (i + 1) * bs])
+            if len(token_ids) % bs:
+                self._remember(prefix, token_ids[len(token_ids) // bs * bs :])
         self.prompt_tokens += len(token_ids)
         return blocks
+
+    def _remember(self, parent: int, block: list[int]) -> None:
+        self.first_tokens.add((parent, int(block[0])))
+        if self.content_bytes > self.MAX_CONTENT_BYTES:
+            return
+        item = np.asarray(block, dtype=">u4").tobytes()
+        contents = self.continuations.setdefault(parent, [])
+        i = bisect.bisect_left(contents, item)
+        if i == len(contents) or not contents[i].startswith(item):
+            contents.insert(i, item)
+            self.content_bytes += len(item)
+
+    def _shared(self, parent: int, wanted: list[int]) -> int:
+        """The most leading tokens of ``wanted`` (at most a block) an earlier continuation of
+        ``parent`` had."""
+        wanted = wanted[: self.block_size]
+        if not len(wanted) or (parent, int(wanted[0])) not in self.first_tokens:
+            return 0
+        if self.content_bytes > self.MAX_CONTENT_BYTES:
+            return len(wanted)
+        contents = self.continuations.get(parent, [])
+        item = np.asarray(wanted, dtype=">u4").tobytes()
+        i = bisect.bisect_left(contents, item)
+        near = [contents[j] for j in (i - 1, i) if 0 <= j < len(contents)]
+        return max((_common_bytes(item, c) for c in near), default=0) // 4
 
     @property
     def hit_rate(self) -> float:
         return _ratio(self.hit_tokens, self.prompt_tokens)
+
+
+def _common_bytes(a: bytes, b: bytes) -> int:
+    """Length of the common prefix of ``a`` and ``b``, by bisection on C-level comparisons."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def write_json_atomic(path: str | Path, obj: Any, flag: str = "--report") -> None:

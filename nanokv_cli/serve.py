@@ -14,6 +14,8 @@ Threads and ownership:
 
 ``/metrics`` reads the engine's counters from the last step snapshot (the same
 ``report.cache_numbers`` names every view uses), and histograms the engine thread fills.
+``GET /v1/nanokv/events`` streams the block map and those counters to ``nanokv top``
+(``cache_stream.py``: the engine thread only queues its events).
 SIGTERM stops accepting and lets in-flight requests finish (up to ``shutdown_timeout``);
 SIGINT (or a second signal) aborts them. Either way the trace and report are written.
 
@@ -58,6 +60,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .cache_stream import EVENTS_PATH, CacheRecorder, CacheStream, WatcherLimit
 from .driver import Driver, QueueClosed, Request, RequestQueue, Run
 from .engine.block_manager import MISS_REASONS
 from .engine.sampling_params import SamplingParams
@@ -85,6 +88,7 @@ class ServeLimits:
     timeout_keep_alive: float = 5.0  # idle between two requests on one connection (uvicorn's)
     timeout_header: float = 10.0  # from a request's first byte (or the connection's) to its headers
     timeout_body: float = 30.0  # from the headers to the body's last byte
+    max_watchers: int = 16  # cache-stream watchers (nanokv top): then 503
 
     def max_connections(self) -> int:
         if self.limit_connections is not None:
@@ -265,6 +269,7 @@ class EngineLoop:
         self.metrics = metrics
         self.queue = RequestQueue()
         self.view = None  # the live view, ticked once per step
+        self.after_step: Callable[[], None] | None = None  # the cache stream's, once per step
         self.on_fatal = on_fatal
         self.error: BaseException | None = None
         self.rejected = 0
@@ -348,6 +353,8 @@ class EngineLoop:
                             pass
                 if self.view is not None:
                     self.view.tick()
+                if self.after_step is not None:
+                    self.after_step()
         except BaseException as e:  # a bug or a broken executor: fail every request, stop
             self.error = e
             traceback.print_exc()
@@ -387,6 +394,10 @@ CACHE_COUNTERS = {
     "revived_hit_tokens": (
         "nanokv:prefix_cache_revived_hits",
         "Hit tokens whose block was free but still cached (taken back from the free queue).",
+    ),
+    "copied_hit_tokens": (
+        "nanokv:prefix_cache_copied_hits",
+        "Hit tokens whose K/V were copied from a cached block sharing their leading tokens.",
     ),
     "evictions": ("nanokv:prefix_cache_evictions", "Cached blocks whose hash was evicted."),
     "readmission_queries": (
@@ -696,6 +707,7 @@ class ServerState:
         self.api_key = api_key
         self.guard_metrics = guard_metrics
         self.created = int(time.time())
+        self.cache_stream: CacheStream | None = None  # GET /v1/nanokv/events, set by serve()
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -1005,7 +1017,8 @@ class _ConcurrencyLimit:
         self.in_flight = 0
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in _PROBES:
+        # The cache stream has its own, smaller limit: a watcher must not hold a request's slot.
+        if scope["type"] != "http" or scope["path"] in _PROBES or scope["path"] == EVENTS_PATH:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
@@ -1021,6 +1034,36 @@ class _ConcurrencyLimit:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+
+
+class _WatchResponse(StreamingResponse):
+    """One watcher's server-sent events; it leaves the stream however the response ends."""
+
+    def __init__(self, stream: CacheStream, watcher) -> None:
+        super().__init__(
+            stream.frames(watcher),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.stream, self.watcher = stream, watcher
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.discard(self.watcher)
+
+
+def _cache_events(state: ServerState) -> Response:
+    """``GET /v1/nanokv/events``: the cache stream ``nanokv top`` reads (cache_stream.py)."""
+    stream = state.cache_stream
+    if stream is None:
+        raise ApiError(404, f"no cache stream: GET {EVENTS_PATH}", code="not_found")
+    try:
+        watcher = stream.open()
+    except WatcherLimit as e:
+        raise ApiError(503, f"{e}; retry later", code="too_many_watchers") from None
+    return _WatchResponse(stream, watcher)
 
 
 def create_app(state: ServerState, limits: ServeLimits | None = None) -> FastAPI:
@@ -1077,6 +1120,10 @@ def create_app(state: ServerState, limits: ServeLimits | None = None) -> FastAPI
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(EVENTS_PATH)
+    async def cache_events() -> Response:
+        return _cache_events(state)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Response:
@@ -1207,10 +1254,19 @@ class _Uvicorn(uvicorn.Server):
         self.on_signal = on_signal
         self.signals: list[int] = []
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_start: Callable[[], None] | None = None  # called in the loop, before serving
+        self.on_shutdown: Callable[[], None] | None = None  # ...as shutting down begins
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.on_start is not None:
+            self.on_start()
         await super().serve(sockets=sockets)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.on_shutdown is not None:  # on a signal or an engine failure alike
+            self.on_shutdown()
+        await super().shutdown(sockets=sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
         again = self.should_exit
@@ -1230,6 +1286,30 @@ def _commit_kv_cache(engine) -> None:
     commit = getattr(runner, "commit_kv_cache", None)
     if commit is not None:
         commit()
+
+
+def _cache_stream(llm, model_name: str, limits: ServeLimits) -> CacheStream:
+    """The stream ``nanokv top`` watches, named by what a watcher needs to read it."""
+    from . import __version__
+
+    engine = llm.engine
+    identity = {
+        "model": model_name,
+        "block_size": engine.block_size,
+        "max_model_len": llm.max_model_len,
+        "version": __version__,
+    }
+    recorder = CacheRecorder(engine.num_blocks)
+    return CacheStream(recorder, identity, lambda: engine.clock, max_watchers=limits.max_watchers)
+
+
+def _follow_engine(stream: CacheStream, engine, engine_loop: EngineLoop, server, stack) -> None:
+    """The cache stream follows the engine from its first event (subscribed before the engine
+    thread starts) and ends as the server shuts down: its watchers never end on their own,
+    and uvicorn's shutdown would wait for them."""
+    stack.callback(engine.events.subscribe(stream.recorder.listener))
+    engine_loop.after_step = stream.recorder.step_ended
+    server.on_start, server.on_shutdown = stream.start, stream.close
 
 
 @dataclass
@@ -1254,6 +1334,7 @@ def serve(
     shutdown_timeout: float = 30.0,
     limits: ServeLimits | None = None,
     guard_metrics: bool = False,
+    kv_events=None,  # a kv_events.KVEventsConfig: publish the cache's events for routers
 ) -> ServeResult:
     """Serve ``llm`` on ``sock`` until a signal (or an engine failure); write the report."""
     from .driver import EngineClock, live_view
@@ -1284,10 +1365,16 @@ def serve(
             guard_metrics=guard_metrics,
         )
         app = create_app(state, limits)
+        state.cache_stream = stream = _cache_stream(llm, model_name, limits)
         with ExitStack() as stack:
             view = None
             if live:
                 view = stack.enter_context(live_view(engine, console, title=f"nanokv serve {url}"))
+            if kv_events is not None:  # closed (flushed) once the engine thread has stopped
+                from .kv_events import publish_kv_events, publishing_note
+
+                publisher = stack.enter_context(publish_kv_events(engine, kv_events))
+                print(publishing_note(publisher), file=sys.stderr, flush=True)
             # Made inside the live view, so uvicorn's log handlers write above it.
             uconfig = uvicorn.Config(
                 app,
@@ -1307,6 +1394,7 @@ def serve(
                 engine_loop.stop(abort=abort)
 
             server = _Uvicorn(uconfig, on_signal)
+            _follow_engine(stream, engine, engine_loop, server, stack)
             engine_loop.on_fatal = lambda: setattr(server, "should_exit", True)
             engine_loop.view = view
             engine_loop.start()

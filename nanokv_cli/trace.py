@@ -46,6 +46,7 @@ from .engine.block_manager import MISS_REASONS
 from .engine.events import (
     AllBlocksCleared,
     BlockAllocated,
+    BlockCopied,
     BlockFreed,
     BlockHit,
     BlockRemoved,
@@ -61,6 +62,7 @@ from .engine.events import (
     event_to_dict,
 )
 from .engine.mooncake import MAX_LINE_CHARS as MOONCAKE_LINE_CHARS
+from .kv_events import export_batches
 from .paths import kind_of, open_output
 from .report import cache_numbers
 
@@ -86,6 +88,7 @@ _CODES = (
     SequencePreempted,
     SequenceFinished,
     StepSnapshot,
+    BlockCopied,  # appended: earlier traces hold none
 )
 _CODE = {cls: i for i, cls in enumerate(_CODES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _CODES}
@@ -100,6 +103,10 @@ _ALLOCATED, _FREED, _HIT, _REMOVED = (
 
 class TraceError(ValueError):
     """A file that is not a readable nanokv trace; the message names the file."""
+
+
+class _MissingPrompt(TraceError):
+    """No prompt is recorded under a sequence id (a rejected request's, or damage)."""
 
 
 # A header may claim any cache size; a reader allocates per block, so bound what it accepts.
@@ -772,7 +779,7 @@ class TraceReader:
                 got = self._prompt_cache[rec[3]] = self._prompt_entries(rec)
             if seq_id in got:
                 return got
-        raise TraceError(f"{self.path}: the prompt of sequence {seq_id} is missing")
+        raise _MissingPrompt(f"{self.path}: the prompt of sequence {seq_id} is missing")
 
     def _prompt_entries(self, rec) -> dict[int, Any]:
         """A prompt record's prompts by sequence id, each checked (tokens within the caps, a
@@ -1238,10 +1245,10 @@ def export(reader: TraceReader, fmt: str, out: IO[bytes]) -> int:
     """Write the trace's events as ``fmt``; returns the number of records written.
 
     ``jsonl``: a header line, then one event per line (version 1, readable by any nanokv).
-    ``vllm-kv-events``: vLLM's KV event stream, one msgpack ``EventBatch`` per step that
-    changed the prefix cache, ``{"ts", "events"}`` with tagged ``BlockStored`` /
-    ``BlockRemoved`` / ``AllBlocksCleared`` maps in vLLM's field order, so a consumer of vLLM's
-    events (a KV-aware router, a dashboard) can read what this run's cache did.
+    ``vllm-kv-events``: vLLM's KV event stream, one msgpack ``KVEventBatch`` per step that
+    changed the prefix cache, encoded as ``serve --kv-events-config`` publishes it (one place:
+    ``kv_events.py``), so a consumer of vLLM's events (a KV-aware router, a dashboard) can read
+    what this run's cache did.
     """
     if fmt == "jsonl":
         header = {**reader.header, "version": 1}
@@ -1253,44 +1260,23 @@ def export(reader: TraceReader, fmt: str, out: IO[bytes]) -> int:
         return n
     if fmt != "vllm-kv-events":
         raise ValueError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
-    bs = reader.block_size
     start = reader.header.get("created_unix", 0.0)
-    pending: list[dict[str, Any]] = []
     n = 0
-    for event in reader.events():
-        t = type(event)
-        if t is BlockStored:
-            pending.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [event.block_hash],
-                    "parent_block_hash": None if event.parent_hash == -1 else event.parent_hash,
-                    "token_ids": list(event.token_ids),
-                    "block_size": bs,
-                    "lora_id": None,
-                    "medium": None,
-                    "lora_name": None,
-                }
-            )
-        elif t is BlockRemoved:
-            pending.append(
-                {"type": "BlockRemoved", "block_hashes": [event.block_hash], "medium": None}
-            )
-        elif t is AllBlocksCleared:
-            pending.append({"type": "AllBlocksCleared"})
-        elif t is StepSnapshot and pending:
-            out.write(msgpack.packb({"ts": start + event.clock, "events": pending}))
-            pending = []
-            n += 1
+    for payload in export_batches(reader.events(), reader.block_size, start):
+        out.write(payload)
+        n += 1
     return n
 
 
-def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
+def explain_request(
+    reader: TraceReader, seq_id: int, decode: Callable[[list[int]], str] | None = None
+) -> dict[str, Any]:
     """Every prefix-cache lookup of request ``seq_id`` in a trace, block by block.
 
     Each lookup (its first admission, then any re-admission after preemption) lists its
     blocks: hits (shared, with the sequences holding the block then, or revived) and misses,
-    with the lookup's reason for its first missed block.
+    with the lookup's reason for its first missed block. ``divergence``: the earlier request
+    its prompt shares the most with, and where they part (the text there, with ``decode``).
     """
     from .report import explain_miss, lookup_record
 
@@ -1313,7 +1299,7 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
                     "first_admission": event.first,
                     "num_tokens": event.num_tokens,
                     **rec,
-                    "explanation": explain_miss(rec, bs),
+                    "explanation": explain_miss({**rec, "num_tokens": event.num_tokens}, bs),
                     "blocks": [],
                 }
                 lookups.append(current)
@@ -1325,6 +1311,10 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
                 )
             elif t is BlockAllocated:
                 current["blocks"].append({"block_id": event.block_id, "hit": None})
+            elif t is BlockCopied:  # the block just allocated got leading tokens copied
+                current["blocks"][-1].update(
+                    hit="copied", num_tokens=event.num_tokens, source_block_id=event.source_block_id
+                )
             else:
                 current = None
         elif t is not BlockRemoved:
@@ -1345,7 +1335,36 @@ def explain_request(reader: TraceReader, seq_id: int) -> dict[str, Any]:
         n = reader.num_requests() if isinstance(reader, TraceReader) else None
         valid = "" if n is None else f" (its requests are 0 to {n - 1})" if n else " (it has none)"
         raise TraceError(f"{reader.path}: no request {seq_id} in this trace{valid}")
-    return {"seq_id": seq_id, "num_prompt_tokens": prompt, "lookups": lookups}
+    return {
+        "seq_id": seq_id,
+        "num_prompt_tokens": prompt,
+        "lookups": lookups,
+        "divergence": _request_divergence(reader, seq_id, decode),
+    }
+
+
+def _request_divergence(reader: TraceReader, seq_id: int, decode) -> dict[str, Any] | None:
+    """Where request ``seq_id``'s prompt parts from the earlier one it shares the most with
+    (None for a version 1 trace, whose prompts are in its events)."""
+    if not isinstance(reader, TraceReader) or reader._v1 is not None:
+        return None
+    from .divergence import PrefixIndex
+
+    index = PrefixIndex()
+    div = None
+    # Its own first: missing, the answer cannot be given (a left-out last record). Present,
+    # every earlier record is too, and an id missing from them is a rejected request's.
+    reader._prompts_of(seq_id)
+    for s in range(seq_id + 1):  # prompts as stored: token bytes, or a recipe (not made)
+        try:
+            entry = reader._prompts_of(s)[s]
+        except _MissingPrompt:
+            continue  # a rejected request's id: it never had a prompt recorded
+        if isinstance(entry, bytes):
+            div = index.add(s, np.frombuffer(entry, dtype="<i4"))
+        else:
+            div = index.add(s, None, entry)
+    return None if div is None or div.request != seq_id else index.describe(div, decode)
 
 
 def describe_state(

@@ -18,9 +18,8 @@ TTFT is the time to the first generated token; decode tokens/s counts the tokens
 the time from the first to the last. Repeats alternate the engines so load on a shared machine
 hits them alike; the best run of each is compared (medians printed too). nanokv runs without
 prefix caching, so every repeat pays for its prefill as the other engines do. Also printed:
-resident weight bytes per engine (nanokv's include the MKL-packed copies its float32 CPU path
-keeps for 1-row GEMMs of float layers; llama.cpp's are the mapped GGUF
-file), and how many greedy tokens each
+resident weight bytes per engine (llama.cpp's are the mapped GGUF file), and how many greedy
+tokens each
 engine shares with ``none`` before diverging.
 
 ``--batch 16,64`` adds batched decode throughput per mode (N sequences decoding together), to

@@ -8,8 +8,7 @@ Per layer shape and row count, ms per call (the best of ``--repeats``, each the 
 calls to run ~20 ms, the kernels taking turns; the machine may be shared, so the minimum is the
 figure) of:
 
-  q4p      LINEAR_Q4P: Q4_1 blocks, inputs rounded to int8 per 32 (decode steps)
-  q4p x16  LINEAR_Q4P with ``exact_inputs``: inputs rounded to int16 per 32 (steps with prompt rows)
+  q4p      LINEAR_Q4P: Q4_1 blocks, inputs rounded to int16 per 32 (every row)
   q8p      LINEAR_Q8P: Q8_0 blocks, inputs rounded to int16 per 32 (the LM head)
   t int4   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the same Q4_1 groups (weight-only
            int4, groups of 32, float32 activations)
@@ -20,7 +19,7 @@ figure) of:
   t f32    ``F.linear`` in float32 (MKL)
 
 (bfloat16 inputs are converted beforehand, outside the timing), then the fastest torch kernel of
-the cell, each nanokv format's time over its time (< 1: nanokv is faster), and q4p x16 over q8p
+the cell, each nanokv format's time over its time (< 1: nanokv is faster), and q4p over q8p
 (the 16-bit Q4 inputs' target: <= 1 from 16 rows). A kernel slower than ``--give-up`` ms per
 call is not timed at a shape's larger row counts ("-"): torch's float32-activation int4/int8
 kernels are scalar loops, seconds per call at an LM head's prefill. Last, the bytes per weight
@@ -52,7 +51,7 @@ SHAPES = {
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-NANOKV = ("q4p", "q4p x16", "q8p")
+NANOKV = ("q4p", "q8p")
 TORCH = ("t int4", "t int4b", "t int8", "t int8b", "t bf16", "t f32")
 GROUP = 32
 
@@ -113,7 +112,7 @@ class Kernels:
         """torch's int4 holds the very weights q4p holds (its zero-point convention)."""
         x = torch.randn(2, self.shape[1], generator=g)
         calls = self.calls(x)
-        ours, theirs = calls["q4p x16"](), calls["t int4"]()
+        ours, theirs = calls["q4p"](), calls["t int4"]()
         error = float((ours - theirs).norm() / ours.norm())
         if error > 1e-4:
             sys.exit(f"torch's int4 weights are not q4p's: relative difference {error:.1e}")
@@ -122,13 +121,12 @@ class Kernels:
         out_features, in_features = self.shape
         xb = x.bfloat16()
 
-        def nanokv(kind: int, weights: torch.Tensor, exact: bool = False) -> Callable[[], object]:
+        def nanokv(kind: int, weights: torch.Tensor) -> Callable[[], object]:
             spec = kernels.linear_spec(kind, weights, in_features, out_features=out_features)
-            return lambda: kernels.linear(spec, x, exact_inputs=exact)
+            return lambda: kernels.linear(spec, x)
 
         return {
             "q4p": nanokv(kernels.LINEAR_Q4P, self.q4p),
-            "q4p x16": nanokv(kernels.LINEAR_Q4P, self.q4p, exact=True),
             "q8p": nanokv(kernels.LINEAR_Q8P, self.q8p),
             "t int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.int4, GROUP, self.int4_scales
@@ -173,7 +171,7 @@ def main() -> None:
     print(
         f"{'layer':>16} {'rows':>5} "
         + " ".join(f"{c:>8}" for c in columns)
-        + f" {'fastest':>7} {'q4p/t':>6} {'x16/t':>6} {'q8p/t':>6} {'x16/q8p':>7}"
+        + f" {'fastest':>7} {'q4p/t':>6} {'q8p/t':>6} {'q4p/q8p':>7}"
     )
     sizes = {}
     for name in args.shapes.split(","):
@@ -195,10 +193,10 @@ def main() -> None:
                 )
                 + f" {fastest[2:]:>7} "
                 + " ".join(f"{r:6.2f}" for r in ratios)
-                + f" {times['q4p x16'] / times['q8p']:7.2f}",
+                + f" {times['q4p'] / times['q8p']:7.2f}",
                 flush=True,
             )
-    print("bytes per weight (q4p x16: the q4p bytes)")
+    print("bytes per weight")
     for shape, per_format in sizes.items():
         print(f"{shape:>16}       " + "  ".join(f"{k} {v:.3f}" for k, v in per_format.items()))
 

@@ -1,5 +1,8 @@
 """The cache's own numbers: one hit-rate vocabulary, evictions that mean lost content, a reason
-for every miss, and prefixes shared within a batch computed once."""
+for every miss, and prefixes shared within a batch computed once.
+
+The tests of whole-block accounting run with ``prefix_match="block"`` (the seed's semantics);
+those of token-granular reuse (copied hits) with the default, ``"token"``."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -38,6 +41,11 @@ def lookup_of(bm, seq):
     return seen[0]
 
 
+def block_mode(num_blocks=64, block_size=4, **kw):
+    """A BlockManager with whole-block reuse only."""
+    return BlockManager(num_blocks, block_size, prefix_match="block", **kw)
+
+
 def dry_engine(num_blocks=4096, block_size=4, **kw):
     clock = VirtualClock()
     settings = EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw)
@@ -48,7 +56,7 @@ def dry_engine(num_blocks=4096, block_size=4, **kw):
 
 
 def test_cold_then_partial_then_last_block():
-    bm = BlockManager(64, 4)
+    bm = block_mode()
     a = seq_of(range(10))
     first = lookup_of(bm, a)
     assert (first.reason, first.miss_block, first.num_hit_tokens) == ("cold", 0, 0)
@@ -65,7 +73,7 @@ def test_cold_then_partial_then_last_block():
 
 
 def test_partial_counts_a_prompt_tail_shorter_than_a_block():
-    bm = BlockManager(64, 4)
+    bm = block_mode()
     a = seq_of([7, 8, 9])  # a partial block only: never registered
     lookup_of(bm, a)
     compute(bm, a)
@@ -75,7 +83,7 @@ def test_partial_counts_a_prompt_tail_shorter_than_a_block():
 
 
 def test_evicted_names_the_step():
-    bm = BlockManager(3, 4)
+    bm = block_mode(3)
     a = seq_of(range(9))
     lookup_of(bm, a)
     compute(bm, a)
@@ -90,7 +98,7 @@ def test_evicted_names_the_step():
 
 
 def test_in_flight_when_a_block_is_being_computed():
-    bm = BlockManager(64, 4)
+    bm = block_mode()
     a = seq_of(range(9))
     lookup_of(bm, a)  # allocated, not computed yet
     b = seq_of(range(9))
@@ -99,7 +107,7 @@ def test_in_flight_when_a_block_is_being_computed():
 
 
 def test_preempted_and_disabled():
-    bm = BlockManager(64, 4)
+    bm = block_mode()
     a = seq_of(range(9))
     lookup_of(bm, a)
     compute(bm, a)
@@ -117,28 +125,33 @@ def test_preempted_and_disabled():
 # -- duplicates and evictions -----------------------------------------------------------------
 
 
-def test_a_duplicate_block_is_not_registered_and_its_reuse_is_no_eviction():
+def test_the_newest_copy_of_a_duplicate_serves_and_only_the_last_copy_reused_is_an_eviction():
     events = []
-    bm = BlockManager(8, 4, on_event=events.append)
+    bm = block_mode(8, on_event=events.append)
     a, b = seq_of(range(8)), seq_of(range(8))
     lookup_of(bm, a)
     compute(bm, a)
     bm.on_event = events.append
     bm.allocate(b, bm.can_allocate(b))  # block 0 hits; block 1 (the last token's) recomputed
     compute(bm, b)
-    dup = b.block_table[1]
-    assert bm.blocks[dup].hash == -1 and bm.hash_to_block_id[b.block_hashes[1]] == a.block_table[1]
+    dup, h = b.block_table[1], b.block_hashes[1]
+    assert bm.hash_to_block_id[h] == dup  # the newest copy serves the hash...
+    assert bm.blocks[a.block_table[1]].hash == h  # ...and the older one keeps its content
+    assert [e.block_id for e in events if type(e) is BlockStored][-1] == dup
     bm.deallocate(b)
     bm.deallocate(a)
     bm.check_invariants([])
-    assert bm.num_cached_free_blocks == 2  # a's two blocks; the duplicate is free and clean
+    assert bm.num_cached_free_blocks == 3  # a's two blocks and the duplicate
     removed_before = sum(type(e) is BlockRemoved for e in events)
-    c = seq_of(range(100, 120))  # five blocks: the clean ones go first, then a's cached ones
+    c = seq_of(range(100, 120))  # five blocks: the clean ones go first
     bm.allocate(c, bm.can_allocate(c))
     removed = [e for e in events if type(e) is BlockRemoved][removed_before:]
     assert bm.stats.evictions == len(removed) == 0
+    bm.check_invariants(None)
     bm.deallocate(c)
-    d = seq_of(range(200, 232))  # all 8 blocks: now a's two cached blocks are lost
+    # All 8 blocks: the duplicate goes first (its hash moves back to a's copy: no eviction),
+    # then a's two cached blocks are lost.
+    d = seq_of(range(200, 232))
     bm.allocate(d, bm.can_allocate(d))
     assert bm.stats.evictions == 2 and bm.hash_to_block_id == {}
     assert {e.block_hash for e in events if type(e) is BlockRemoved} == set(a.block_hashes[:2])
@@ -174,7 +187,7 @@ def test_sequential_replay_evictions_equal_the_cached_blocks_lost():
 
 
 def test_followers_wait_for_the_leader_then_share_its_blocks():
-    bm = BlockManager(64, 4)
+    bm = block_mode()
     sched = Scheduler(bm, max_num_batched_tokens=100)
     prefix = list(range(12))
     seqs = [seq_of(prefix + [50 + i, 60 + i]) for i in range(4)]
@@ -191,7 +204,7 @@ def test_followers_wait_for_the_leader_then_share_its_blocks():
 
 
 def test_a_preempted_or_aborted_leader_does_not_stall_its_followers():
-    bm = BlockManager(64, 4)
+    bm = block_mode()
     sched = Scheduler(bm, max_num_batched_tokens=8)  # the leader's prompt takes two steps
     leader, follower = seq_of(range(13)), seq_of(list(range(12)) + [77])
     sched.add(leader)
@@ -206,7 +219,7 @@ def test_a_preempted_or_aborted_leader_does_not_stall_its_followers():
         scheduled = sched.schedule()
         sched.postprocess(scheduled, [1] * len(scheduled))
     assert not follower.is_prefill and follower.num_prefix_hit_tokens == 12
-    bm2 = BlockManager(64, 4)
+    bm2 = block_mode()
     sched2 = Scheduler(bm2, max_num_batched_tokens=8)
     leader, follower = seq_of(range(13)), seq_of(list(range(12)) + [77])
     sched2.add(leader)
@@ -273,9 +286,10 @@ def workloads(draw):
     num_blocks=st.integers(4, 24),
     max_batched=st.integers(2, 20),
     caching=st.booleans(),
+    match=st.sampled_from(["token", "block"]),
 )
 def test_hit_vocabulary_and_miss_reasons_hold_after_every_step(
-    requests, block_size, num_blocks, max_batched, caching
+    requests, block_size, num_blocks, max_batched, caching, match
 ):
     lookups: list[CacheLookup] = []
     snaps: list[StepSnapshot] = []
@@ -288,8 +302,15 @@ def test_hit_vocabulary_and_miss_reasons_hold_after_every_step(
 
     def check(engine):
         s = engine.block_manager.stats
-        assert s.shared_hits + s.revived_hits == s.hits <= s.queries
-        assert s.readmission_shared_hits + s.readmission_revived_hits == s.readmission_hits
+        assert s.shared_hits + s.revived_hits + s.copied_hits == s.hits <= s.queries
+        assert (
+            s.readmission_shared_hits + s.readmission_revived_hits + s.readmission_copied_hits
+            == s.readmission_hits
+        )
+        if match == "block":  # the seed's vocabulary: no copies, no last-token
+            assert s.copied_hits == s.readmission_copied_hits == s.miss_tokens["last-token"] == 0
+        else:  # and no whole-block reasons
+            assert s.miss_tokens["last-block"] == s.miss_tokens["partial"] == 0
         assert s.readmission_hits <= s.readmission_queries
         misses = s.queries - s.hits + s.readmission_queries - s.readmission_hits
         assert sum(s.miss_tokens.values()) == misses and set(s.miss_tokens) == set(MISS_REASONS)
@@ -307,7 +328,7 @@ def test_hit_vocabulary_and_miss_reasons_hold_after_every_step(
             s.readmission_queries,
             s.readmission_hits,
         )
-        assert snap.miss_tokens == s.miss_tokens
+        assert snap.miss_tokens == s.miss_tokens and snap.copied_hits == s.copied_hits
         if not caching:
             assert s.hits == 0 and s.miss_tokens["disabled"] == misses
 
@@ -319,4 +340,5 @@ def test_hit_vocabulary_and_miss_reasons_hold_after_every_step(
         prefix_caching=caching,
         listener=listen,
         after_step=check,
+        prefix_match=match,
     )

@@ -533,7 +533,9 @@ def test_summary_json_and_report_agree_and_explain_every_miss(
     report = json.loads(report_path.read_text())
     for key in ("hit_rate", "cache_queries", "cache_hits", "miss_tokens", "evictions"):
         assert report[key] == as_json[key]
-    assert report["cache_hits"] == report["shared_hit_tokens"] + report["revived_hit_tokens"]
+    assert report["cache_hits"] == (
+        report["shared_hit_tokens"] + report["revived_hit_tokens"] + report["copied_hit_tokens"]
+    )
     assert sum(report["miss_tokens"].values()) == report["cache_queries"] - report["cache_hits"]
     lines = [json.loads(x) for x in per_request.read_text().splitlines()]
     assert sorted(r["line"] for r in lines) == [1, 2, 3, 4]
@@ -555,10 +557,12 @@ def test_inspect_request_explains_hits_and_the_miss(recorded):
     look = info["lookups"][0]
     assert look["first_admission"] and all(not x["first_admission"] for x in info["lookups"][1:])
     hits = [b for b in look["blocks"] if b["hit"]]
-    assert hits and look["cached_tokens"] == 8 * len(hits)
-    assert all(b["hit"] in ("shared", "revived") for b in hits)
-    assert look["miss_reason"] in ("partial", "last-block", "cold")
-    assert look["miss_block"] == len(hits)
+    whole = [b for b in hits if b["hit"] != "copied"]
+    copied = sum(b["num_tokens"] for b in hits if b["hit"] == "copied")
+    assert hits and look["cached_tokens"] == 8 * len(whole) + copied
+    assert all(b["hit"] in ("shared", "revived") for b in whole) and len(hits) - len(whole) <= 1
+    assert look["miss_reason"] in ("last-token", "evicted", "cold")
+    assert look["miss_block"] == len(whole)
     out = ok("inspect", recorded, "--request", str(later)).stdout
     assert f"request {later}" in out and f"miss: {look['miss_reason']}" in out
 
@@ -571,8 +575,9 @@ def test_inspect_prompts_gives_each_prompt_its_miss_reason(tmp_path, tokenizer_d
     info = json_of("inspect", "--prompts", path, "--block-size", "4")
     first, second = info["prompts"]
     assert first["miss_reason"] == "cold"
-    assert (second["miss_reason"], second["partial_tokens"]) == ("partial", 3)
-    assert info["miss_tokens"] == {"partial": 5, "cold": 5}
+    # Token-granular reuse copies the three shared tokens; whole blocks would miss them.
+    assert (second["miss_reason"], second["cached_tokens"]) == ("cold", 3)
+    assert info["miss_tokens"] == {"cold": 7} and info["hit_tokens"] == 3
 
 
 def test_inspect_summary_and_exports(recorded, tmp_path):

@@ -1,9 +1,8 @@
 """The packed weight formats (cpu/kernels.py; csrc/q4.c, csrc/q8.c) against float64 references.
 
 Each kernel's result is compared with the float64 product of the dequantized weights and the
-input rounded exactly as the kernel rounds it (int8 per 32 for LINEAR_Q4P, int16 per 32 for
-LINEAR_Q8P and for LINEAR_Q4P with exact_inputs), so the only difference left is float32
-accumulation, bounded here per output. Run it under every instruction-set variant the CPU has:
+input rounded exactly as the kernel rounds it (int16 per 32, both formats, every row), so the
+only difference left is float32 accumulation, bounded here per output. Run it under every instruction-set variant the CPU has:
 
     for isa in generic avx2 avx512; do NANOKV_CPU_ISA=$isa python -m pytest -q tests/test_cpu_formats.py; done
 """
@@ -24,10 +23,9 @@ ROW_COUNTS = [*range(1, 14), 64, 300]
 # a single row runs on two threads.
 SHAPES = [(40, 96), (200, 256), (1000, 288)]
 EPS32 = 2.0**-24
-# (kind, exact_inputs) of every product the kernels compute: LINEAR_Q4P on int8 and on int16
-# inputs, LINEAR_Q8P (int16 either way)
-PRODUCTS = [(LINEAR_Q4P, False), (LINEAR_Q4P, True), (LINEAR_Q8P, False)]
-PRODUCT_IDS = ["q4p", "q4p-exact", "q8p"]
+# every product the kernels compute, on int16 inputs
+KINDS = [LINEAR_Q4P, LINEAR_Q8P]
+KIND_IDS = ["q4p", "q8p"]
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -77,9 +75,9 @@ class Layer:
             self.kind, self.packed, self.in_features, bias=bias, out_features=self.out_features
         )
 
-    def linear(self, x, bias=None, exact_inputs=False):
+    def linear(self, x, bias=None):
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return kernels.linear(self.spec(bias), x, exact_inputs=exact_inputs)
+        return kernels.linear(self.spec(bias), x)
 
     def dequantize_rows(self, rows):
         return kernels.dequantize_rows(self.spec(), rows.reshape(-1).long().contiguous())
@@ -90,16 +88,15 @@ class Layer:
         return w if self.zero is None else w + self._expand(self.zero).float()
 
 
-def rounded_inputs(kind: int, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
-    """x as the kernels see it, in float64: rounded per 32 to int8 (d = max|x| / 127) for
-    LINEAR_Q4P, to int16 (d = max|x| / 32767) for LINEAR_Q8P and for LINEAR_Q4P with
-    ``exact_inputs``, in float32 as the C code does."""
+def rounded_inputs(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """x as the kernels see it, in float64: rounded per 32 to int16 (d = max|x| / 32767), in
+    float32 as the C code does; ``bits=8``: to int8 (d = max|x| / 127) as llama.cpp rounds."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     # tensors divide tensors: torch may take a scalar division as a multiply by the reciprocal,
     # which rounds differently from the C division (and moves ties)
     ones = torch.ones_like(amax)
-    if kind == LINEAR_Q4P and not exact_inputs:
+    if bits == 8:
         d = amax / (127.0 * ones)
         inv = torch.where(d > 0, ones / torch.where(d > 0, d, ones), 0.0)
     else:
@@ -109,10 +106,10 @@ def rounded_inputs(kind: int, x: torch.Tensor, exact_inputs: bool = False) -> to
     return (q.double() * d.double()).reshape(x.shape)
 
 
-def check_product(layer: Layer, x: torch.Tensor, bias=None, exact_inputs=False) -> None:
-    y = layer.linear(x, bias, exact_inputs)
+def check_product(layer: Layer, x: torch.Tensor, bias=None) -> None:
+    y = layer.linear(x, bias)
     assert y.shape == (x.shape[0], layer.out_features) and y.dtype == torch.float32
-    xr = rounded_inputs(layer.kind, x, exact_inputs)
+    xr = rounded_inputs(x)
     reference = xr @ layer.weight64.T
     if bias is not None:
         reference += bias.double()
@@ -125,47 +122,36 @@ def check_product(layer: Layer, x: torch.Tensor, bias=None, exact_inputs=False) 
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("kind,exact", PRODUCTS, ids=PRODUCT_IDS)
-def test_every_row_count_matches_the_float64_product(kind, exact, shape, threads):
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_every_row_count_matches_the_float64_product(kind, shape, threads):
     layer = Layer(kind, *shape)
     g = torch.Generator().manual_seed(1)
     for n in ROW_COUNTS:
-        check_product(layer, torch.randn(n, shape[1], generator=g), exact_inputs=exact)
+        check_product(layer, torch.randn(n, shape[1], generator=g))
 
 
-@pytest.mark.parametrize("kind,exact", PRODUCTS, ids=PRODUCT_IDS)
-def test_bias_and_strided_rows(kind, exact, threads):
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_bias_and_strided_rows(kind, threads):
     layer = Layer(kind, 200, 256, seed=2)
     g = torch.Generator().manual_seed(3)
     bias = torch.randn(200, generator=g)
     wide = torch.randn(13, 300, generator=g)
     for n in (1, 5, 13):
-        check_product(layer, wide[:n, 7:263], bias, exact)  # row stride 300, not 256
+        check_product(layer, wide[:n, 7:263], bias)  # row stride 300, not 256
 
 
-@pytest.mark.parametrize("kind,exact", PRODUCTS, ids=PRODUCT_IDS)
-def test_a_rows_result_does_not_depend_on_its_batch(kind, exact, threads):
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_a_rows_result_does_not_depend_on_its_batch(kind, threads):
     """Row i's output is the same bits alone, in any tile of a batch, on any thread count."""
     layer = Layer(kind, 1000, 288, seed=4)
     x = torch.randn(300, 288, generator=torch.Generator().manual_seed(5))
-    full = layer.linear(x, exact_inputs=exact)
+    full = layer.linear(x)
     for i in (0, 5, 6, 7, 150, 299):
-        assert torch.equal(layer.linear(x[i : i + 1], exact_inputs=exact), full[i : i + 1])
+        assert torch.equal(layer.linear(x[i : i + 1]), full[i : i + 1])
     for start in (0, 1, 3, 6, 11, 287):
         for n in (*range(2, 14), 64):
             if start + n <= 300:
-                got = layer.linear(x[start : start + n], exact_inputs=exact)
-                assert torch.equal(got, full[start : start + n])
-
-
-def test_exact_inputs_change_only_q4p():
-    """The flag rounds LINEAR_Q4P's inputs to 16 bits, and leaves LINEAR_Q8P (16 bits anyway)
-    bit for bit as it was."""
-    x = torch.randn(13, 288, generator=torch.Generator().manual_seed(11))
-    q8 = Layer(LINEAR_Q8P, 200, 288, seed=12)
-    assert torch.equal(q8.linear(x, exact_inputs=True), q8.linear(x))
-    q4 = Layer(LINEAR_Q4P, 200, 288, seed=12)
-    assert not torch.equal(q4.linear(x, exact_inputs=True), q4.linear(x))
+                assert torch.equal(layer.linear(x[start : start + n]), full[start : start + n])
 
 
 @pytest.mark.parametrize("kind", [LINEAR_Q4P, LINEAR_Q8P], ids=["q4p", "q8p"])
@@ -179,12 +165,12 @@ def test_dequantized_rows_are_the_weights_the_kernels_use(kind, threads):
         layer.dequantize_rows(torch.tensor([40]))
 
 
-@pytest.mark.parametrize("kind,exact", PRODUCTS[1:], ids=PRODUCT_IDS[1:])
-def test_int16_inputs_keep_the_float_product_within_1e4_per_row(kind, exact):
-    """LINEAR_Q8P serves the LM head, LINEAR_Q4P with exact inputs a prompt's K/V: against the
-    unrounded float product, an output row is off by at most 1e-4 of its norm, also for inputs
-    with outlier channels (as hidden states have), where int8 inputs (LINEAR_Q4P's rounding
-    otherwise) are off by ~1e-2."""
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_int16_inputs_keep_the_float_product_within_1e4_per_row(kind):
+    """LINEAR_Q8P serves the LM head, LINEAR_Q4P the projections: against the unrounded float
+    product, an output row is off by at most 1e-4 of its norm, also for inputs with outlier
+    channels (as hidden states have), where int8 inputs (llama.cpp's rounding) are off by
+    ~1e-2."""
     layer = Layer(kind, 2048, 576, seed=7)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(16, 576, generator=g)
@@ -194,9 +180,9 @@ def test_int16_inputs_keep_the_float_product_within_1e4_per_row(kind, exact):
     def relative(y):
         return (y.double() - exact_product).norm(dim=1) / exact_product.norm(dim=1)
 
-    assert float(relative(layer.linear(x, exact_inputs=exact)).max()) <= 1e-4
+    assert float(relative(layer.linear(x)).max()) <= 1e-4
     # so the bound is one that int8 inputs would not meet:
-    assert float(relative(rounded_inputs(LINEAR_Q4P, x) @ layer.weight64.T).min()) > 1e-3
+    assert float(relative(rounded_inputs(x, bits=8) @ layer.weight64.T).min()) > 1e-3
 
 
 def _runs_here(variant: str) -> bool:
@@ -207,7 +193,7 @@ def _runs_here(variant: str) -> bool:
     return True
 
 
-def _linear_in(variant: str, layer: Layer, x: torch.Tensor, exact: bool) -> torch.Tensor:
+def _linear_in(variant: str, layer: Layer, x: torch.Tensor) -> torch.Tensor:
     """layer(x) computed by one instruction-set build's library, loaded beside this process's."""
     function = build.load(variant)["linear_f32"]  # a fresh function object: argtypes are ours
     argtypes, function.restype = kernels._SIGNATURES["linear_f32"]
@@ -221,15 +207,14 @@ def _linear_in(variant: str, layer: Layer, x: torch.Tensor, exact: bool) -> torc
         x.shape[0],
         y.data_ptr(),
         y.stride(0),
-        int(exact),
         1,
     )
     assert not failed
     return y
 
 
-@pytest.mark.parametrize("kind,exact", PRODUCTS, ids=PRODUCT_IDS)
-def test_avx2_and_avx512_builds_give_the_same_bits(kind, exact):
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_avx2_and_avx512_builds_give_the_same_bits(kind):
     """Exact integer sums and the same float steps per block: the vector builds agree bit for
     bit (plain C too where it has a hardware FMA, which x86-64's baseline has not)."""
     if not all(_runs_here(v) for v in ("avx2", "avx512")):
@@ -237,7 +222,7 @@ def test_avx2_and_avx512_builds_give_the_same_bits(kind, exact):
     layer = Layer(kind, 200, 288, seed=13)
     x = torch.randn(20, 288, generator=torch.Generator().manual_seed(14))
     x[:, 5] *= 40.0
-    assert torch.equal(_linear_in("avx2", layer, x, exact), _linear_in("avx512", layer, x, exact))
+    assert torch.equal(_linear_in("avx2", layer, x), _linear_in("avx512", layer, x))
 
 
 def test_packed_sizes_and_shape_checks():
@@ -258,5 +243,5 @@ def test_q4_panels_agree_with_torch_linear_on_the_dequantized_weight(threads):
     layer = Layer(LINEAR_Q4P, 200, 256, seed=9)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(10))
     weight = layer.dequantize_rows(torch.arange(200))
-    expected = F.linear(rounded_inputs(LINEAR_Q4P, x).float(), weight)
+    expected = F.linear(rounded_inputs(x).float(), weight)
     assert torch.allclose(layer.linear(x), expected, rtol=1e-4, atol=1e-4)

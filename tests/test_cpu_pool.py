@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_cpu_formats import Layer
 
 from nanokv_cli.engine.cpu import build, kernels

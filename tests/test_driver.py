@@ -124,6 +124,7 @@ def test_run_builds_the_report_and_records_a_trace(tmp_path):
         report = run.report(rejected=0)
     assert report["requests"] == 2 and report["output_tokens"] == 16
     assert report["file"] == "x.jsonl" and report["num_blocks"] == 64 and report["rejected"] == 0
-    assert report["cache_hits"] == 32  # the second prompt hit the first's two full blocks
+    # The second prompt hit the first's two full blocks, then copied all but its last token.
+    assert report["cache_hits"] == 39 and report["copied_hit_tokens"] == 7
     assert TraceReader(trace).state_at().last_snapshot is not None
     assert not engine.events  # every listener removed

@@ -490,3 +490,49 @@ def test_tensor_parallel_two_ranks_match_one(models, tmp_path):
         )
         torch.testing.assert_close(logits, expected_logits, atol=ATOL, rtol=0)
         assert outputs == expected_outputs, name
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_copied_kv_of_a_shared_block_prefix_gives_transformers_tokens(models, name):
+    """Token-granular prefix hits: the K/V of a block's shared leading tokens are copied
+    (``Sequence.kv_copy``) before the forward pass, in order, so a later copy may overwrite a
+    block an earlier one read from, and a source may be its own destination."""
+    config, weights, folder = models(name)
+    runner = make_runner(config, weights, block_size=16)
+    driver = Driver(runner)
+    shared = prompt_of(16 + 11, salt=8)  # one full block, then 11 tokens of the next
+    first = driver.new(shared + prompt_of(3, salt=9))
+    driver.step([(first, first.num_tokens)])
+    src = first.block_table[1]
+
+    second = driver.new(shared + prompt_of(6, salt=10))
+    third = driver.new(shared + prompt_of(4, salt=11))
+    target = driver.free.pop(0)
+    second.block_table = [first.block_table[0], target]
+    third.block_table = [first.block_table[0], src]  # its destination is the source itself
+    for seq in (second, third):
+        seq.num_cached_tokens = 27
+        seq.block_table.append(driver.free.pop(0))
+    second.kv_copy = (src, target, 11)  # reads src before anything writes it
+    third.kv_copy = (src, src, 11)
+    tokens = driver.step([(second, second.num_tokens - 27), (third, third.num_tokens - 27)])
+    assert second.kv_copy is None and third.kv_copy is None  # consumed
+    assert tokens == [
+        hf_greedy(folder, second.token_ids[: second.num_prompt_tokens], 1)[0],
+        hf_greedy(folder, third.token_ids[: third.num_prompt_tokens], 1)[0],
+    ]
+    for seq in (second, third):
+        for _ in range(5):
+            driver.step([(seq, 1)])
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        assert seq.completion_token_ids == hf_greedy(folder, prompt, 6)
+
+    # The copy really happens: without it the answer changes.
+    fourth = driver.new(shared + prompt_of(6, salt=10))
+    fourth.block_table = [first.block_table[0], driver.free.pop(0), driver.free.pop(0)]
+    fourth.num_cached_tokens = 27
+    fourth.num_scheduled_tokens = fourth.num_tokens - 27
+    runner.kv_cache[:, :, fourth.block_table[1]] = 0
+    stale = runner.run_logits([fourth])[0]
+    prompt = fourth.token_ids[: fourth.num_prompt_tokens]
+    assert not torch.allclose(stale, hf_logits(folder, prompt)[-1], atol=ATOL)

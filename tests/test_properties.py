@@ -34,6 +34,7 @@ def run(
     check=True,
     listener=None,
     after_step=None,
+    prefix_match="token",
 ):
     """Replay ``requests`` (prompt, max_tokens, arrival step), checking the books after every
     step; ``listener`` gets every event, ``after_step(engine)`` runs after every step."""
@@ -44,6 +45,7 @@ def run(
         enable_prefix_caching=prefix_caching,
         max_num_seqs=4,
         max_num_batched_tokens=max_batched,
+        prefix_match=prefix_match,
     )
     engine = LLMEngine(
         DryRunExecutor(settings, vocab_size=60, clock=clock),

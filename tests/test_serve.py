@@ -202,8 +202,9 @@ def test_a_shared_system_prompt_is_served_from_the_cache(client, server):
             temperature=0,
         )
         usages.append(out.usage)
-    assert usages[1].prompt_tokens_details.cached_tokens > 0
-    assert usages[1].prompt_tokens_details.cached_tokens % 16 == 0  # whole blocks
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert 0 < cached < usages[1].prompt_tokens
+    assert cached >= usages[0].prompt_tokens // 2  # the system prompt, past whole blocks too
     assert metrics(server)["vllm:prefix_cache_hits_total"] > before
 
 

@@ -2,7 +2,7 @@
 
 Two (or three) ranks on a two-core machine: these tests check correctness and the life cycle
 of the worker processes, not speed. Greedy float32 tokens must equal one rank's (the contract
-of SPEC section 4; logits differ only by the order of the all-reduce sums).
+stated in test_llm.py; logits differ only by the order of the all-reduce sums).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tiny_models import make_tiny_model
 from nanokv_cli import LLM, SamplingParams
 from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.distributed import TensorParallelError, launch
-from nanokv_cli.engine.events import SequencePreempted
+from nanokv_cli.engine.events import BlockCopied, SequencePreempted
 from nanokv_cli.engine.loader import load_model
 from nanokv_cli.engine.sequence import Sequence
 
@@ -141,9 +141,11 @@ def test_two_ranks_generate_the_tokens_of_one(root, arch):
         )
         assert greedy(two, prompts()) == expected
         assert preempted, "the cache was meant to be too small for the batch"
+        copied = []  # token-granular hits: every rank copies the same K/V before the step
+        two.engine.events.subscribe(lambda e: copied.append(e) if type(e) is BlockCopied else 0)
         again = two.generate(prompts(), GREEDY)  # prefix hits: block tables start shared
         assert [o["token_ids"] for o in again] == expected
-        assert any(o["num_cached_tokens"] for o in again)
+        assert any(o["num_cached_tokens"] for o in again) and copied
 
 
 def test_steps_larger_than_one_broadcast(root):

@@ -243,7 +243,7 @@ def test_version_1_jsonl_traces_still_open(tmp_path, small_records):
 # -- vLLM's KV events, decoded with vLLM's own struct layout ------------------------------------
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -269,7 +269,7 @@ class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
@@ -285,18 +285,12 @@ def test_vllm_kv_event_export_decodes_with_vllms_structs(tmp_path, small_records
     ]
     assert len(batches) == n > 0
     raw = next(iter(msgpack.Unpacker(io.BytesIO(out.getvalue()))))
-    assert list(raw) == ["ts", "events"]
-    first = raw["events"][0]
-    assert list(first) == [
-        "type",
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    ]
+    # vLLM's msgspec array_like layout (what Dynamo decodes): [ts, events, data_parallel_rank],
+    # each event [tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+    # medium, lora_name].
+    assert len(raw) == 3 and raw[2] == 0
+    first = raw[1][0]
+    assert first[0] == "BlockStored" and len(first) == 8 and first[5:] == [None, None, None]
     stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
     removed = [e for b in batches for e in b.events if isinstance(e, BlockRemoved)]
     ours = [e for e in seen if type(e).__name__ == "BlockStored"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from nanokv_cli.engine.config import EngineConfig
@@ -280,7 +281,8 @@ def test_inspect_views_render_a_state_and_a_prompt_map():
     assert "Shared blocks" in out and "T1" in out and "0,1" in out
 
 
-def test_live_view_counters_match_the_block_managers_stats_in_a_terminal():
+@pytest.mark.parametrize("match", ["block", "token"])
+def test_live_view_counters_match_the_block_managers_stats_in_a_terminal(match):
     """A real engine run drawn into a terminal: the final frame's hit rate, re-admissions and
     miss reasons are the BlockManager's own numbers, and at every step the view's books (which
     it applies event by event) equal what ``CacheState.apply_all`` makes of the same events."""
@@ -290,7 +292,7 @@ def test_live_view_counters_match_the_block_managers_stats_in_a_terminal():
     from nanokv_cli.engine.block_manager import MISS_REASONS
     from nanokv_cli.engine.events import CacheLookup
 
-    eng, _ = dry_run_engine(EngineConfig(block_size=4, num_blocks=24))
+    eng, _ = dry_run_engine(EngineConfig(block_size=4, num_blocks=24, prefix_match=match))
     buf = io.StringIO()
     con = Console(file=buf, width=160, height=60, force_terminal=True, color_system="256")
     view = LiveView(eng.num_blocks, 4, console=con)
@@ -332,7 +334,10 @@ def test_live_view_counters_match_the_block_managers_stats_in_a_terminal():
     stats = eng.block_manager.stats
     misses = {r: n for r, n in stats.miss_tokens.items() if n}
     assert stats.revived_hits and stats.shared_hits and stats.readmission_queries
-    assert {"cold", "partial", "last-block", "evicted", "preempted"} <= misses.keys()
+    if match == "block":
+        assert {"cold", "partial", "last-block", "evicted", "preempted"} <= misses.keys()
+    else:  # the tokens "partial" and "last-block" name are copied instead
+        assert stats.copied_hits and {"cold", "last-token", "preempted"} <= misses.keys()
     # The final frame: the last of each line the terminal was sent, escape codes stripped.
     lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", buf.getvalue()).splitlines()
     cache_line = [line for line in lines if line.startswith("cache   ")][-1]
@@ -343,7 +348,7 @@ def test_live_view_counters_match_the_block_managers_stats_in_a_terminal():
     assert cache_line.startswith(f"cache   hit rate {stats.hit_rate:.1%} ")
     assert (
         f"(shared {stats.shared_hits / q:.1%} · revived {stats.revived_hits / q:.1%}"
-        f" of {q:,} tokens looked up)"
+        f" · copied {stats.copied_hits / q:.1%} of {q:,} tokens looked up)"
     ) in cache_line
     assert (
         f"preemptions {stats.preemptions:,} · re-admissions: "

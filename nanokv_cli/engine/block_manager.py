@@ -1,9 +1,18 @@
 """The books of the paged KV cache: which physical block holds what, and who uses it.
 
-Blocks are never moved or copied; a sequence's ``block_table`` maps its logical blocks to
-physical ones. Full blocks whose KV has been computed are registered in the prefix cache under
-a chained hash (the hash of a block stands for the whole prefix up to and including it), so a
-later request with the same prefix maps the same physical blocks instead of recomputing them.
+A sequence's ``block_table`` maps its logical blocks to physical ones. Full blocks whose KV has
+been computed are registered in the prefix cache under a chained hash (the hash of a block
+stands for the whole prefix up to and including it), so a later request with the same prefix
+maps the same physical blocks instead of recomputing them.
+
+Reuse is token-granular by default (``prefix_match="token"``): after the last full-block hit,
+the block that continues the same prefix (the newest one whose content follows the same parent
+hash and starts with the same token: a registered block, a running sequence's last block, or
+the last block a finished one left in the free queue) lends the longest run of leading tokens
+it shares with the prompt's next block. Their K/V are copied into the fresh block the sequence
+gets (``Sequence.kv_copy``; the runner copies before the step's forward pass). Causal attention
+makes those K/V the ones the sequence would compute. ``prefix_match="block"`` is the seed's
+whole-block reuse, exactly.
 
 Each change does whatever may raise before it touches the books, and announces itself (one
 event) only once they balance. So an exception at any call, KeyboardInterrupt included, leaves
@@ -25,6 +34,7 @@ import xxhash
 from .events import (
     AllBlocksCleared,
     BlockAllocated,
+    BlockCopied,
     BlockFreed,
     BlockHit,
     BlockRemoved,
@@ -32,10 +42,24 @@ from .events import (
     CacheLookup,
     EventListener,
 )
-from .miss_reasons import MissExplainer
+from .miss_reasons import MissExplainer, continuation_key
 from .sequence import Sequence
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _common_prefix(a, a_start: int, b, b_start: int, limit: int) -> int:
+    """How many of the ``limit`` tokens from ``a[a_start]`` and ``b[b_start]`` on agree."""
+    n = min(limit, len(a) - a_start, len(b) - b_start)
+    if n <= 0:
+        return 0
+    x, y = a[a_start : a_start + n], b[b_start : b_start + n]
+    if _same_tokens(x, y):
+        return n
+    for i, (p, q) in enumerate(zip(x, y)):
+        if p != q:
+            return i
+    return n
 
 
 def _same_tokens(a, b) -> bool:
@@ -49,16 +73,27 @@ class Block:
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
+        # A registered block's tokens; or, hash -1, the computed tokens of a partly filled
+        # last block its sequence left behind (a source for token-granular reuse).
         self.token_ids: list[int] = []
+        # Token-granular reuse: the prefix this block's content continues (-1: none), its key
+        # in BlockManager._tails (0: not a source), and while a sequence is still filling it,
+        # that sequence and the block's first position in it.
+        self.parent = -1
+        self.tail_key = 0
+        self.owner: Sequence | None = None
+        self.start = 0
 
     def update(self, hash: int, token_ids: list[int]) -> None:
         self.hash = hash
         self.token_ids = token_ids
+        self.owner = None  # full now: its content is token_ids
 
     def reset(self) -> None:
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
+        self.owner = None
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref_count={self.ref_count}, hash={self.hash})"
@@ -100,7 +135,25 @@ class FreeBlockQueue:
 
 
 # Why a prompt lookup missed, in the order the reasons are tested (the first that applies).
-MISS_REASONS = ("disabled", "preempted", "last-block", "in-flight", "evicted", "partial", "cold")
+# ``last-block`` and ``partial`` arise under whole-block reuse only, ``last-token`` under
+# token-granular reuse only (miss_reasons.py).
+MISS_REASONS = (
+    "disabled",
+    "preempted",
+    "last-block",
+    "last-token",
+    "in-flight",
+    "evicted",
+    "partial",
+    "cold",
+)
+# A follower waits a step for a prompt block another sequence is filling only when it would
+# copy at least this many tokens more by waiting: a few tokens cost less to compute than a
+# step's delay to the follower's first token.
+MIN_WAIT_TOKENS = 16
+# How far reuse reaches: "token" (the shared tokens of a prompt's first block past its
+# full-block hits are copied) or "block" (whole blocks only, the seed's semantics).
+PREFIX_MATCH_MODES = ("token", "block")
 
 
 @dataclass
@@ -118,20 +171,26 @@ class CacheStats:
     queries: int = 0  # prompt tokens looked up at first admission
     shared_hits: int = 0  # ...served by blocks other sequences were using
     revived_hits: int = 0  # ...served by free blocks that still held their hash
+    copied_hits: int = 0  # ...whose K/V were copied from a block sharing their first tokens
     readmission_queries: int = 0  # tokens looked up again after a preemption
     readmission_shared_hits: int = 0
     readmission_revived_hits: int = 0
+    readmission_copied_hits: int = 0
     evictions: int = 0  # cached blocks reused for new data (their hash left the cache)
     preemptions: int = 0
     miss_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
     @property
     def hits(self) -> int:
-        return self.shared_hits + self.revived_hits
+        return self.shared_hits + self.revived_hits + self.copied_hits
 
     @property
     def readmission_hits(self) -> int:
-        return self.readmission_shared_hits + self.readmission_revived_hits
+        return (
+            self.readmission_shared_hits
+            + self.readmission_revived_hits
+            + self.readmission_copied_hits
+        )
 
     @property
     def hit_rate(self) -> float:
@@ -145,17 +204,32 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_event: EventListener | None = None,
+        prefix_match: str = "token",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
             )
+        if prefix_match not in PREFIX_MATCH_MODES:
+            raise ValueError(
+                f"prefix_match must be one of {', '.join(PREFIX_MATCH_MODES)}, got {prefix_match!r}"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_match = prefix_match
+        # Token-granular reuse runs only where there is a cache to reuse from.
+        self._copies = enable_prefix_caching and prefix_match == "token"
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = FreeBlockQueue(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.hash_to_block_id: dict[int, int] = {}
+        # Older copies of a registered hash (the newest serves it): they still hold the
+        # content, so it leaves the cache, an eviction, only when the last copy is reused.
+        self._duplicates: dict[int, list[int]] = {}
+        # continuation_key(parent hash, first token) -> the newest block whose content continues that
+        # prefix with that token: where a token-granular lookup looks (one candidate: a bounded
+        # search). Entries leave when their block is taken for new data.
+        self._tails: dict[int, int] = {}
         self.stats = CacheStats()
         self.num_cached_free_blocks = 0  # free blocks still holding a hash (reusable until evicted)
         # Called with every event; None (or an empty EventBus) costs one truth test per change.
@@ -219,11 +293,63 @@ class BlockManager:
 
     def is_in_flight(self, seq: Sequence, num_cached_blocks: int) -> bool:
         """Whether the first block of ``seq`` past its cached prefix is being computed by
-        another sequence right now, so that waiting a step or two turns it into a hit."""
+        another sequence right now, so that waiting a step or two turns it into a hit.
+        Token-granular: also a prompt's last block that another sequence, mid-prefill, is
+        filling with tokens this prompt shares."""
         i = num_cached_blocks
-        if i >= (len(seq) - 1) // self.block_size or not self.enable_prefix_caching:
+        if not self.enable_prefix_caching:
             return False
-        return self._explainer.is_pending(self._block_hash(seq, i))
+        if i < (len(seq) - 1) // self.block_size:
+            if self._explainer.is_pending(self._block_hash(seq, i)):
+                return True
+        if not self._copies:
+            return False
+        source, shared = self._copy_source(seq, i)
+        owner = self.blocks[source].owner if source != -1 else None
+        if owner is None or not owner.is_prefill:
+            return False
+        return shared - (owner.num_cached_tokens - self.blocks[source].start) >= MIN_WAIT_TOKENS
+
+    def is_filling(self, seq: Sequence, i: int) -> bool:
+        """Whether a sequence mid-prefill is still computing tokens of block ``i`` of ``seq``
+        that the two share."""
+        source, shared = self._copy_source(seq, i)
+        owner = self.blocks[source].owner if source != -1 else None
+        return (
+            owner is not None
+            and owner.is_prefill
+            and owner.num_cached_tokens - self.blocks[source].start < shared
+        )
+
+    def _copy_source(self, seq: Sequence, i: int) -> tuple[int, int]:
+        """The block that continues ``seq``'s prefix before its block ``i`` and the tokens of
+        block ``i`` it shares (all but the prompt's last token at most), or ``(-1, 0)``. What
+        the source holds may not all be computed yet: see ``_copyable``."""
+        bs = self.block_size
+        start = i * bs
+        limit = min(bs, seq.num_tokens - 1 - start)
+        if limit <= 0:
+            return -1, 0
+        parent = self._block_hash(seq, i - 1) if i else -1
+        source = self._tails.get(continuation_key(parent, seq.token_ids[start]), -1)
+        if source == -1 or self.blocks[source].parent != parent:
+            return -1, 0
+        block = self.blocks[source]
+        theirs = block.token_ids if block.owner is None else block.owner.token_ids
+        offset = 0 if block.owner is None else block.start
+        n = _common_prefix(theirs, offset, seq.token_ids, start, limit)
+        return (source, n) if n else (-1, 0)
+
+    def _copyable(self, seq: Sequence, i: int) -> tuple[int, int]:
+        """``_copy_source``, cut to the tokens whose K/V are computed."""
+        source, n = self._copy_source(seq, i)
+        if source != -1:
+            block = self.blocks[source]
+            if block.owner is not None:
+                n = min(n, block.owner.num_cached_tokens - block.start)
+            if n <= 0:
+                return -1, 0
+        return source, n
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         """Admit ``seq``: its first ``num_cached_blocks`` blocks from the prefix cache (as
@@ -236,21 +362,25 @@ class BlockManager:
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         bs = self.block_size
         first = seq.num_prefix_hit_tokens < 0
-        reason, evicted_at, partial = self._explainer.explain(self, seq, num_cached_blocks, first)
+        source, copied = self._copyable(seq, num_cached_blocks) if self._copies else (-1, 0)
+        reason, evicted_at, partial = self._explainer.explain(
+            self, seq, num_cached_blocks, first, copied
+        )
         hit_ids = [self._lookup(seq, i) for i in range(num_cached_blocks)]
         assert -1 not in hit_ids, (
             "allocate() was given more cached blocks than can_allocate() found"
         )
         shared = bs * sum(1 for b in hit_ids if self.blocks[b].ref_count)
         revived = bs * num_cached_blocks - shared
-        self._count_lookup(seq, first, shared, revived, reason)
-        seq.num_cached_tokens = num_cached_blocks * bs
+        self._count_lookup(seq, first, shared, revived, copied, reason)
+        seq.num_cached_tokens = num_cached_blocks * bs + copied
+        seq.kv_copy = None
         if self.on_event:
             self.on_event(
                 CacheLookup(
                     seq.seq_id,
                     seq.num_tokens,
-                    num_cached_blocks * bs,
+                    seq.num_cached_tokens,
                     first,
                     reason,
                     num_cached_blocks,
@@ -275,23 +405,59 @@ class BlockManager:
                 emit(BlockHit(seq.seq_id, block_id, block.hash, kind))
         for _ in range(num_cached_blocks, seq.num_blocks):
             self._allocate_free_block(seq)
+        if copied:
+            # The copy runs before the step's forward pass, before anything this step writes:
+            # a source taken for new data in this very step (even as this destination) still
+            # holds its K/V then, so it needs no pin.
+            target = table[num_cached_blocks]
+            seq.kv_copy = (source, target, copied)
+            if emit:
+                emit(BlockCopied(seq.seq_id, target, source, copied))
         if self.enable_prefix_caching:
+            if self._copies:
+                self._own_tail(seq)
             self._explainer.admitted(self, seq, num_cached_blocks)
 
+    def _own_tail(self, seq: Sequence) -> None:
+        """Offer ``seq``'s last block, if the prompt fills it only in part, as a copy source
+        for the tokens it will hold: it continues the prompt's last full block."""
+        bs = self.block_size
+        i = len(seq.block_table) - 1
+        if i < 0 or (i + 1) * bs <= seq.num_tokens:
+            return  # its tokens fill it: once computed it is registered instead
+        block = self.blocks[seq.block_table[i]]
+        block.owner, block.start = seq, i * bs
+        block.parent = self._block_hash(seq, i - 1) if i else -1
+        self._offer(block, seq.token_ids[i * bs])
+
+    def _withdraw(self, block: Block) -> None:
+        """``block`` stops being a copy source."""
+        if block.tail_key:
+            if self._tails.get(block.tail_key) == block.block_id:
+                del self._tails[block.tail_key]
+            block.tail_key = 0
+
+    def _offer(self, block: Block, first_token: int) -> None:
+        key = continuation_key(block.parent, first_token)
+        block.tail_key = key
+        self._tails[key] = block.block_id
+
     def _count_lookup(
-        self, seq: Sequence, first: bool, shared: int, revived: int, reason: str
+        self, seq: Sequence, first: bool, shared: int, revived: int, copied: int, reason: str
     ) -> None:
         stats = self.stats
         if first:
             stats.queries += seq.num_tokens
             stats.shared_hits += shared
             stats.revived_hits += revived
-            seq.num_prefix_hit_tokens = shared + revived
+            stats.copied_hits += copied
+            seq.num_prefix_hit_tokens = shared + revived + copied
         else:
             stats.readmission_queries += seq.num_tokens
             stats.readmission_shared_hits += shared
             stats.readmission_revived_hits += revived
-        stats.miss_tokens[reason] += seq.num_tokens - shared - revived
+            stats.readmission_copied_hits += copied
+        stats.miss_tokens[reason] += seq.num_tokens - shared - revived - copied
 
     def _allocate_free_block(self, seq: Sequence) -> None:
         free = self.free_block_ids
@@ -301,6 +467,7 @@ class BlockManager:
                 self._evict(head)
         block_id = free.popleft()  # first: if it raises, nothing has changed
         block = self.blocks[block_id]
+        self._withdraw(block)  # a copy source: its content is about to be overwritten
         block.reset()
         self.used_block_ids.add(block_id)
         seq.block_table.append(block_id)
@@ -308,16 +475,27 @@ class BlockManager:
             self.on_event(BlockAllocated(seq.seq_id, block_id))
 
     def _evict(self, block: Block) -> None:
-        """The LRU cached block is about to be overwritten, so its hash stops resolving. (Every
-        hashed free block resolves: duplicates are never registered, see hash_blocks.) A change
-        of its own, announced before the block is taken: one event per change, so a listener
-        that raises cannot leave another listener with half of one."""
+        """The LRU cached block is about to be overwritten, so its hash stops resolving
+        there. If an older copy of the content is still cached, the hash moves to it (the
+        newest remaining copy); otherwise the content leaves the cache: an eviction, a change
+        of its own, announced before the block is taken (one event per change, so a listener
+        that raises cannot leave another listener with half of one)."""
         h = block.hash
-        del self.hash_to_block_id[h]
         block.hash = -1
         block.token_ids = []
-        self.stats.evictions += 1
+        self._withdraw(block)
         self.num_cached_free_blocks -= 1
+        copies = self._duplicates.get(h)
+        if copies:
+            if self.hash_to_block_id[h] == block.block_id:
+                self.hash_to_block_id[h] = copies.pop()
+            else:
+                copies.remove(block.block_id)
+            if not copies:
+                del self._duplicates[h]
+            return
+        del self.hash_to_block_id[h]
+        self.stats.evictions += 1
         self._explainer.evicted(h, self.step)
         if self.on_event:
             self.on_event(BlockRemoved(block.block_id, h))
@@ -329,6 +507,9 @@ class BlockManager:
         emit = self.on_event
         if self.enable_prefix_caching:
             self._explainer.released(seq)
+            if self._copies:
+                self._leave_tail(seq)
+        seq.kv_copy = None
         table, blocks, free = seq.block_table, self.blocks, self.free_block_ids
         while table:
             block_id = table[-1]
@@ -346,6 +527,21 @@ class BlockManager:
                 emit(BlockFreed(seq.seq_id, block_id, block.ref_count))
         seq.num_cached_tokens = 0
 
+    def _leave_tail(self, seq: Sequence) -> None:
+        """``seq`` stops filling its last block: what it computed there stays a copy source
+        (until the block is taken for new data), or nothing if it computed none of it."""
+        if not seq.block_table:
+            return
+        block = self.blocks[seq.block_table[-1]]
+        if block.owner is not seq:
+            return
+        block.owner = None
+        n = seq.num_cached_tokens - block.start
+        if n > 0:
+            block.token_ids = seq.token_ids[block.start : block.start + n]
+        else:
+            self._withdraw(block)
+
     def can_append(self, seq: Sequence) -> bool:
         # A decode step needs a new block only when the token to compute opens one:
         # len(seq) % block_size == 1, written so that block_size 1 works too.
@@ -355,6 +551,8 @@ class BlockManager:
         # The token about to be computed is the last one; it needs a new block when it opens one.
         if len(seq.block_table) * self.block_size < seq.num_tokens:
             self._allocate_free_block(seq)
+            if self._copies:
+                self._own_tail(seq)
 
     def hash_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full in the step that just computed
@@ -370,19 +568,23 @@ class BlockManager:
             if block.hash != -1:
                 continue  # a prefix hit, registered by whoever computed it
             h = self._block_hash(seq, i)
-            if h in self.hash_to_block_id:
-                # A duplicate: this content is cached in another block already (a prompt's
-                # always-computed last block, or an answer another sequence also generated).
-                # The first copy keeps serving the hash; this one stays unregistered, so every
-                # hashed block resolves and an eviction always means the content is gone.
-                continue
             token_ids = seq.block(i)
             parent = seq.block_hashes[i - 1] if i else -1
             # The explainer's hint first: the books change after every call that may raise
             # (a hint about a hash never registered is looked up and found missing).
             explainer.stored(h, parent, token_ids[0])
+            older = self.hash_to_block_id.get(h, -1)
+            if older != -1:
+                # A duplicate (a prompt's recomputed last block, an answer another sequence
+                # also generated): the newest copy serves the hash, as a re-registration does
+                # in the seed, and sits farthest from the free queue's head; the older one
+                # keeps its content until it is reused (see _evict).
+                self._duplicates.setdefault(h, []).append(older)
             block.update(h, token_ids)
             self.hash_to_block_id[h] = block.block_id
+            if self._copies:  # the newest continuation of its prefix
+                block.parent = parent
+                self._offer(block, token_ids[0])
             if self.on_event:
                 self.on_event(BlockStored(block.block_id, h, parent, token_ids))
         explainer.progressed(self, seq, start, end)
@@ -398,7 +600,11 @@ class BlockManager:
         for block in self.blocks:
             block.hash = -1
             block.token_ids = []
+            block.owner = None
+            block.tail_key = 0
         self.hash_to_block_id.clear()
+        self._duplicates.clear()
+        self._tails.clear()
         self.num_cached_free_blocks = 0
         self._explainer.cleared()
         if self.on_event:
@@ -420,8 +626,21 @@ class BlockManager:
             assert self.blocks[b].hash == h, (
                 f"hash {h} maps to block {b} holding {self.blocks[b].hash}"
             )
+        for h, copies in self._duplicates.items():
+            assert copies and h in self.hash_to_block_id, f"stray copies of hash {h}"
+            for b in copies:
+                assert self.blocks[b].hash == h and self.hash_to_block_id[h] != b, (h, b)
         hashed = sum(1 for b in self.blocks if b.hash != -1)
-        assert hashed == len(self.hash_to_block_id), "a hashed block the prefix cache cannot reach"
+        copies = sum(len(c) for c in self._duplicates.values())
+        assert hashed == len(self.hash_to_block_id) + copies, (
+            "a hashed block the prefix cache cannot reach"
+        )
+        for key, b in self._tails.items():
+            block = self.blocks[b]
+            assert block.tail_key == key, f"copy source {b} is filed under another key"
+            assert block.hash != -1 or block.owner is not None or block.token_ids, (
+                f"copy source {b} holds nothing"
+            )
         s = self.stats
         assert s.hits <= s.queries and s.readmission_hits <= s.readmission_queries, s
         misses = s.queries - s.hits + s.readmission_queries - s.readmission_hits

@@ -239,6 +239,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per rank; None: a share of available memory
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction to fill
     enable_prefix_caching: bool = True
+    # "token": past the last full-block hit, the shared leading tokens of the next block are
+    # copied from a cached block continuing the same prefix; "block": whole blocks only (the
+    # seed's semantics). block_manager.PREFIX_MATCH_MODES.
+    prefix_match: str = "token"
     # -- scheduling
     max_num_seqs: int = 256  # most sequences per step
     # Token budget per step (chunked prefill): LLM's and the CLI's model runs used 4096 before
@@ -274,6 +278,8 @@ class EngineConfig:
                 f"threads={self.threads}: this process may run on {cpus} CPU"
                 f"{'s' if cpus != 1 else ''} (its affinity mask); use at most {cpus}"
             )
+        if self.prefix_match not in ("token", "block"):  # block_manager.PREFIX_MATCH_MODES
+            raise ValueError(f"prefix_match must be 'token' or 'block', got {self.prefix_match!r}")
         target = self.step_latency_target_ms
         if target is not None and (
             isinstance(target, bool) or not isinstance(target, Real) or not 0 <= target < 1e9

@@ -10,8 +10,8 @@ layers exchange activations with all-reduce (gloo on CPU, NCCL on CUDA with one 
 The step message is a flat int64 tensor. Workers keep a mirror of every live sequence, so a
 step carries only what changed: the tokens a worker has not seen yet (the whole prompt once,
 then one token per decode step) and the block-table entries past the part it already holds,
-plus each sequence's ``num_cached_tokens``/``num_scheduled_tokens``. Sampling fields stay on
-rank 0, the only rank that samples. Small messages (most decode steps) fit in one fixed-size
+plus each sequence's ``num_cached_tokens``/``num_scheduled_tokens`` and ``kv_copy``. Sampling
+fields stay on rank 0, the only rank that samples. Small messages (most decode steps) fit in one fixed-size
 broadcast; larger ones take a second.
 
 Two ways to get the processes:
@@ -99,7 +99,7 @@ HEADER_INTS = 512  # one broadcast carries the command, the length and this much
 
 _LOOPBACK = "127.0.0.1"
 _STEP, _STOP = 1, 2
-_RECORD = 7  # ints per sequence before its tokens and blocks
+_RECORD = 10  # ints per sequence before its tokens and blocks
 
 
 class TensorParallelError(RuntimeError):
@@ -291,8 +291,9 @@ class StepSender:
             else:  # new, or preempted and given other blocks: resend it whole
                 keep = 0
                 sent_tables[seq_id] = list(table)
+            copy = s.kv_copy or (-1, -1, 0)  # a token-granular hit's K/V, copied on every rank
             values.extend(
-                (seq_id, cached, n, int(s.is_prefill), len(tokens), keep, len(table) - keep)
+                (seq_id, cached, n, int(s.is_prefill), len(tokens), keep, len(table) - keep, *copy)
             )
             values.extend(tokens)
             values.extend(table[keep:])
@@ -332,7 +333,9 @@ class StepReceiver:
         i += 1
         seqs = []
         for _ in range(num_seqs):
-            seq_id, cached, n, prefill, num_tokens, keep, num_blocks = values[i : i + _RECORD]
+            seq_id, cached, n, prefill, num_tokens, keep, num_blocks, *copy = values[
+                i : i + _RECORD
+            ]
             i += _RECORD
             seq = self.mirrors.get(seq_id)
             if seq is None:
@@ -349,6 +352,7 @@ class StepReceiver:
             i += num_blocks
             seq.num_cached_tokens, seq.num_scheduled_tokens = cached, n
             seq.is_prefill = bool(prefill)
+            seq.kv_copy = tuple(copy) if copy[2] else None
             seqs.append(seq)
         return seqs
 

@@ -6,6 +6,8 @@ listens to pays one attribute test per change and allocates nothing.
 
 Names follow vLLM's KV events where the meaning is the same: ``BlockStored`` (a full, computed
 block's hash was registered) and ``BlockRemoved`` (a hash left the prefix cache: eviction).
+A hash may be stored by several blocks (a duplicate: the newest serves it); ``BlockRemoved``
+comes once, when the last of them is reused.
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ class BlockHit:
     block_id: int
     block_hash: int
     kind: Literal["shared", "revived"]
+
+
+@dataclass(slots=True)
+class BlockCopied:
+    """A token-granular prefix-cache hit: the K/V of ``num_tokens`` leading tokens of
+    ``block_id`` (just allocated to ``seq_id``) are copied from ``source_block_id``, a block
+    continuing the same prefix, instead of being computed."""
+
+    seq_id: int
+    block_id: int
+    source_block_id: int
+    num_tokens: int
 
 
 @dataclass(slots=True)
@@ -123,7 +137,7 @@ class StepSnapshot:
     clock: float  # engine clock at the end of the step (wall or virtual seconds)
     # Cumulative prefix-cache counters, named and defined as in block_manager.CacheStats:
     queries: int  # prompt tokens looked up at first admission
-    hits: int  # ...served from the cache (shared + revived)
+    hits: int  # ...served from the cache (shared + revived + copied)
     shared_hits: int
     revived_hits: int
     evictions: int
@@ -132,6 +146,7 @@ class StepSnapshot:
     readmission_queries: int = 0  # tokens looked up again after preemption
     readmission_hits: int = 0
     miss_tokens: dict[str, int] = field(default_factory=dict)  # missed tokens by reason
+    copied_hits: int = 0  # last: traces written before it decode positionally without it
 
 
 Event = (
@@ -146,6 +161,7 @@ Event = (
     | SequencePreempted
     | SequenceFinished
     | StepSnapshot
+    | BlockCopied
 )
 EventListener = Callable[[Event], None]
 

@@ -67,6 +67,7 @@ class LLMEngine:
             config.block_size,
             config.enable_prefix_caching,
             on_event=self.events,
+            prefix_match=config.prefix_match,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -274,6 +275,7 @@ class LLMEngine:
                 readmission_queries=stats.readmission_queries,
                 readmission_hits=stats.readmission_hits,
                 miss_tokens=dict(stats.miss_tokens),
+                copied_hits=stats.copied_hits,
             )
         )
 

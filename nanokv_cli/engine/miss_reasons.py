@@ -7,13 +7,23 @@ reasons, tested in this order (the first that applies wins; ``block_manager.MISS
 * ``disabled``: prefix caching is off.
 * ``preempted``: a re-admission after preemption recomputes what it lost.
 * ``last-block``: every full block before it hit; the block holding the prompt's last token is
-  always computed (a step needs one token to produce logits).
+  always computed (a step needs one token to produce logits). Whole-block reuse only.
+* ``last-token``: token-granular reuse served every token but the prompt's last, which is
+  always computed.
 * ``in-flight``: another sequence is computing this very block now (the scheduler holds such
   followers back until the block is registered, so this should stay near zero).
 * ``evicted``: the block was cached once and evicted (at ``evicted_at_step``).
 * ``partial``: an earlier prompt shared this prefix but diverged inside this block
-  (``partial_tokens`` tokens of it in common, fewer than the block size).
-* ``cold``: no earlier prompt computed this prefix.
+  (``partial_tokens`` tokens of it in common, fewer than the block size). Whole-block reuse
+  only: token-granular reuse copies those tokens.
+* ``cold``: no earlier prompt computed this prefix (token-granular: up to and including the
+  first missed token; what was shared before it was copied).
+
+Under token-granular reuse ``evicted`` also covers an earlier continuation of the prefix that
+shared more of the block than was copied: its K/V had left the cache (step -1 when the block
+was a partial one, never registered, so not counted in ``evictions``); and ``in-flight`` one
+whose tokens another sequence was still computing (a follower waits for them only when that
+gains at least ``MIN_WAIT_TOKENS``).
 
 What it keeps: the next block each prefilling sequence is computing (its claim, which
 ``in-flight`` and the scheduler's in-batch sharing test), the evicted hashes (one int each,
@@ -26,11 +36,23 @@ block count.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .block_manager import BlockManager
-    from .sequence import Sequence
+from .sequence import Sequence
+
+
+class _Books(Protocol):
+    """What the explainer reads of the BlockManager (typed here, so that this module does not
+    import the one that imports it)."""
+
+    enable_prefix_caching: bool
+    prefix_match: str
+    hash_to_block_id: dict[int, int]
+    blocks: list
+
+    def _block_hash(self, seq: Sequence, i: int) -> int: ...
+
+    def is_filling(self, seq: Sequence, i: int) -> bool: ...
 
 
 class MissExplainer:
@@ -52,15 +74,18 @@ class MissExplainer:
         return block_hash in self._pending
 
     def explain(
-        self, bm: BlockManager, seq: Sequence, num_cached_blocks: int, first: bool
+        self, bm: _Books, seq: Sequence, num_cached_blocks: int, first: bool, copied: int = 0
     ) -> tuple[str, int, int]:
         """``(reason, evicted_at_step, partial_tokens)`` for a lookup that hit
-        ``num_cached_blocks`` blocks (-1 and 0 where they do not apply)."""
+        ``num_cached_blocks`` blocks and then ``copied`` tokens (-1 and 0 where they do not
+        apply)."""
         if not bm.enable_prefix_caching:
             return "disabled", -1, 0
         if not first:
             return "preempted", -1, 0
         k = num_cached_blocks
+        if bm.prefix_match == "token":
+            return self._explain_tokens(bm, seq, k, copied)
         if k >= (len(seq) - 1) // self.block_size:
             return "last-block", -1, 0
         h = bm._block_hash(seq, k)
@@ -74,7 +99,38 @@ class MissExplainer:
             return "partial", -1, shared
         return "cold", -1, 0
 
-    def _shared_tokens(self, bm: BlockManager, seq: Sequence, k: int) -> int:
+    def _explain_tokens(
+        self, bm: _Books, seq: Sequence, k: int, copied: int
+    ) -> tuple[str, int, int]:
+        bs = self.block_size
+        if k * bs + copied >= len(seq) - 1:
+            return "last-token", -1, 0
+        if k < (len(seq) - 1) // bs:  # a full block of the prompt: it may have a hash
+            h = bm._block_hash(seq, k)
+            if h in self._pending:
+                return "in-flight", -1, 0
+            step = self._evicted_at.get(h)
+            if step is not None:
+                return "evicted", step, 0
+        known = self._known.get(_key(seq.block_hashes[k - 1] if k else -1, seq.token_ids[k * bs]))
+        if isinstance(known, int):
+            block_id = bm.hash_to_block_id.get(known)
+            if block_id is None:  # that continuation was registered, then evicted
+                return "evicted", self._evicted_at.get(known, -1), 0
+            known = bm.blocks[block_id].token_ids
+        if known is not None:
+            n = 0
+            for x, y in zip(seq.token_ids[k * bs : (k + 1) * bs], known):
+                if x != y:
+                    break
+                n += 1
+            if n > copied:  # shared more than could be copied: still being computed, or gone
+                if bm.is_filling(seq, k):
+                    return "in-flight", -1, 0
+                return "evicted", -1, 0
+        return "cold", -1, 0
+
+    def _shared_tokens(self, bm: _Books, seq: Sequence, k: int) -> int:
         """Tokens block ``k`` of ``seq`` has in common with the known continuation of the same
         parent prefix that starts with the same token (0 if there is none)."""
         bs = self.block_size
@@ -96,7 +152,7 @@ class MissExplainer:
 
     # -- what happened -------------------------------------------------------------------------
 
-    def admitted(self, bm: BlockManager, seq: Sequence, num_cached_blocks: int) -> None:
+    def admitted(self, bm: _Books, seq: Sequence, num_cached_blocks: int) -> None:
         """``seq`` got its blocks and computes from block ``num_cached_blocks`` on."""
         self._claim_next(bm, seq, num_cached_blocks)
         bs = self.block_size
@@ -105,13 +161,13 @@ class MissExplainer:
             tail = seq.token_ids[full * bs :]  # a copy (list or int64 array)
             self._known[_key(bm._block_hash(seq, full - 1) if full else -1, tail[0])] = tail
 
-    def _claim_next(self, bm: BlockManager, seq: Sequence, i: int) -> None:
+    def _claim_next(self, bm: _Books, seq: Sequence, i: int) -> None:
         # Only a sequence's next uncomputed full block is claimed: a follower waits for the
         # first block it misses, and every later block is claimed as the one before is done.
         if i < seq.num_tokens // self.block_size:
             self._pending.setdefault(bm._block_hash(seq, i), seq.block_table[i])
 
-    def progressed(self, bm: BlockManager, seq: Sequence, start: int, end: int) -> None:
+    def progressed(self, bm: _Books, seq: Sequence, start: int, end: int) -> None:
         """Blocks ``start`` to ``end - 1`` of ``seq`` were computed (and registered)."""
         hashes = seq.block_hashes
         if start < len(hashes) and self._pending.get(hashes[start]) == seq.block_table[start]:
@@ -133,7 +189,7 @@ class MissExplainer:
             if self._pending.get(h) == seq.block_table[i]:
                 del self._pending[h]
 
-    def reclaim(self, bm: BlockManager, prefilling: list[Sequence]) -> None:
+    def reclaim(self, bm: _Books, prefilling: list[Sequence]) -> None:
         """Claims as they stand when nothing is cut short: each sequence mid-prefill claims the
         block it computes next (the first claimer of a hash keeps it, as in ``_claim_next``)."""
         self._pending.clear()
@@ -151,7 +207,11 @@ class MissExplainer:
 _MIX, _MASK = 0x9E3779B97F4A7C15, 0xFFFFFFFFFFFFFFFF
 
 
-def _key(parent_hash: int, first_token: int) -> int:
-    # One int for the pair; a collision only makes ``partial`` compare against the wrong
-    # block, and the token comparison then finds nothing in common.
+def continuation_key(parent_hash: int, first_token: int) -> int:
+    """One int for (the hash of a prefix, the first token of the block continuing it). A
+    collision only makes a lookup compare against the wrong block, and the token comparison
+    then finds nothing in common."""
     return (parent_hash * _MIX + first_token) & _MASK
+
+
+_key = continuation_key

@@ -11,8 +11,11 @@ On CPU in float32 the C kernels of ``cpu/`` serve (benchmark notes in
 ``scripts/BENCHMARKS.md``): paged decode attention, fused norms, rotary, K/V stores, silu * mul,
 the packed weight formats of ``cpu/formats.py``, and the whole decoder in one call for decode
 steps (the kernel calls of the torch layers, recorded on the largest decode step so far and
-replayed). Each step gets a ``StepPlan`` saying which path it takes and how precisely the packed
-layers round their inputs; float32 layers become ``FloatLinear`` (``_pack_weights``).
+replayed). Each step gets a ``StepPlan`` saying which path it takes; float32 layers become
+``FloatLinear`` (``_use_float_kernels``). Every path computes a row as the others do, to the bit:
+a token's K/V and logits depend on the tokens before it, never on what shares its step (a
+decode step, a prompt chunk cut anywhere, a recompute after preemption), so the prefix cache
+cannot change a greedy answer (README, "A row computes the same bits whatever batch it is in").
 """
 
 import ctypes
@@ -25,11 +28,7 @@ import torch
 
 from .config import EngineConfig, ModelConfig
 from .cpu import kernels as cpu_kernels
-from .cpu.formats import (
-    MAX_ROW_PACKED_BYTES,
-    FloatLinear,
-    fused_decode_max_rows,
-)
+from .cpu.formats import FloatLinear
 from .cpu.quantize import check_quantization, pack_model
 from .layers.attention import (
     Attention,
@@ -203,11 +202,10 @@ class StepPlan:
     layer keeps a flag of its own."""
 
     # Single-token rows only, on the CPU kernels: the whole decoder in one C call (a recorded
-    # step program, replayed).
+    # step program, replayed), with the kernel calls, and so the bits, of the layers' path.
+    # Precision is no part of a plan: every row's inputs are rounded as its layer's format
+    # says, whatever else the step holds (cpu/formats.py).
     fused_decoder: bool
-    # Prompt chunks of 2+ tokens: packed projections round their inputs to 16 bits, because a
-    # prompt's K/V feed every later token (cpu/formats.py); decode rows round to the format's.
-    exact_inputs: bool
 
 
 @dataclass
@@ -282,7 +280,7 @@ class ModelRunner:
             and cpu_kernels.half_cache_supported()
             else self.dtype
         )
-        self.packed_weight_bytes = self._pack_weights() if self.device.type == "cpu" else 0
+        self._use_float_kernels()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         # flash-attn's paged kernels need pages of a multiple of 256 tokens and half precision.
@@ -300,12 +298,8 @@ class ModelRunner:
         # Decode steps replay the kernel calls recorded on the largest decode step so far (one
         # C call, cpu/kernels.py StepProgram): ~10 ms less Python per step for SmolLM2's 30
         # layers, and 12-18% faster than layer by layer at 17-64 rows (scripts/BENCHMARKS.md),
-        # as far as the projections' formats allow.
-        self.fused_max_rows = (
-            fused_decode_max_rows([m for la in self.model.model.layers for m in _projections(la)])
-            if self.fused_decode
-            else 0
-        )
+        # at any size: every layer format is a C product of any row count.
+        self.fused_max_rows = float("inf") if self.fused_decode else 0
         self.program: cpu_kernels.StepProgram | None = None
         self._program_arena = torch.empty(0, dtype=torch.uint8)
         self._persistent = {
@@ -325,31 +319,17 @@ class ModelRunner:
             torch.cuda.set_device(dev)
         return dev
 
-    def _pack_weights(self) -> int:
-        """Float32 layers become ``FloatLinear``: the C GEMV for a few rows where the kernels
-        run (so a recorded decode step covers them), and for wide layers MKL's packed copy for
-        1-row inputs; bytes added. Where decode steps are recorded, only the LM head gets the
-        copy: the projections' 1-row products must be C calls to be replayed."""
-        if self.tp_size != 1 or self.dtype != torch.float32:
-            return 0
-        added = 0
+    def _use_float_kernels(self) -> None:
+        """Float32 layers (projections and LM head) become ``FloatLinear`` where decode steps
+        are recorded (the CPU kernels, one rank, float32): the C product for every row count,
+        so a recorded step replays them and a row's bits do not depend on its batch."""
+        if not self.fused_decode or self.dtype != torch.float32:
+            return
         for path, module in list(self.model.named_modules()):
-            if not isinstance(module, (LinearBase, ParallelLMHead)):
-                continue
-            weight = module.weight
-            packed_row = (
-                FloatLinear.can_pack_rows()
-                and FloatLinear.worth_packing(weight)
-                and not (self.fused_decode and isinstance(module, LinearBase))
-                and added + weight.nbytes <= MAX_ROW_PACKED_BYTES
-            )
-            if not (packed_row or self.fused_decode):
-                continue
-            parent, _, name = path.rpartition(".")
-            bias = module.bias if isinstance(module, LinearBase) else None
-            setattr(self.model.get_submodule(parent), name, FloatLinear(weight, bias, packed_row))
-            added += weight.nbytes if packed_row else 0
-        return added
+            if isinstance(module, (LinearBase, ParallelLMHead)):
+                parent, _, name = path.rpartition(".")
+                bias = module.bias if isinstance(module, LinearBase) else None
+                setattr(self.model.get_submodule(parent), name, FloatLinear(module.weight, bias))
 
     @property
     def block_bytes(self) -> int:
@@ -484,6 +464,7 @@ class ModelRunner:
         """float32 logits [len(seqs), vocab] at each seq's last scheduled position."""
         if not seqs:
             raise ValueError("run needs at least one sequence")
+        self.copy_kv(seqs)
         batch = self._prepare(seqs)
         hidden = self._forward(batch)
         if batch.logits_rows is not None:
@@ -495,6 +476,19 @@ class ModelRunner:
         if batch.restore is not None:
             logits = logits.index_select(0, batch.restore)
         return logits
+
+    def copy_kv(self, seqs: list[Sequence]) -> None:
+        """Copy the K/V of each token-granular prefix hit (``Sequence.kv_copy``) into its
+        sequence's block, in the order the block manager found them (a source a later copy
+        overwrites is read first), before the step writes anything."""
+        for s in seqs:
+            if s.kv_copy is None:
+                continue
+            source, target, n = s.kv_copy
+            s.kv_copy = None
+            if source != target:  # a source taken as its own destination holds them already
+                cache = self.kv_cache
+                cache[:, :, target, :n].copy_(cache[:, :, source, :n])
 
     def forget(self, seq_id: int) -> None:
         """The request is finished: drop its sampler state."""
@@ -560,11 +554,8 @@ class ModelRunner:
             start += n
             rows.append(start - 1)
 
-        plan = StepPlan(
-            fused_decoder=not chunks and len(ordered) <= self.fused_max_rows,
-            exact_inputs=bool(chunks),
-        )
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), exact_inputs=plan.exact_inputs)
+        plan = StepPlan(fused_decoder=not chunks and len(ordered) <= self.fused_max_rows)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts))
         contexts = [s.num_cached_tokens + s.num_scheduled_tokens for s in ordered]
         if self.use_flash:  # pragma: no cover - GPU
             meta.flash = self._flash_metadata(ordered, contexts, num_singles)
@@ -796,9 +787,3 @@ def _padded(table: list[int], width: int) -> list[int]:
 
 def _cumsum0(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def _projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    """A decoder layer's four projections, in whatever form they are held."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]

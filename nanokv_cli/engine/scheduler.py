@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .events import EventListener, SequenceFinished, SequencePreempted
 from .sequence import Sequence, SequenceStatus
 from .step_budget import StepBudget
@@ -36,8 +37,8 @@ class Scheduler:
         self,
         block_manager: BlockManager,
         *,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
         max_model_len: int | None = None,
         eos_token_ids: Iterable[int] = (),
         on_event: EventListener | None = None,

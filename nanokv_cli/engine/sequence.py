@@ -44,6 +44,9 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.is_prefill = True
         self.block_table: list[int] = []
+        # (source block, destination block, tokens): K/V the block manager found in another
+        # block, for the runner to copy before this sequence's next forward pass.
+        self.kv_copy: tuple[int, int, int] | None = None
         # Chained hashes of this sequence's full blocks, filled lazily; full blocks never
         # change, so the cache is never invalidated (only extended).
         self.block_hashes: list[int] = []

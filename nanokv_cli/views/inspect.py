@@ -186,10 +186,58 @@ def render_prompt_map(
             row.append(repr(texts[p["index"]])[1:-1])
         table.add_row(*row)
     parts: list[RenderableType] = [head, key, Text(), table]
+    parting = divergence_table([(p["index"], p.get("divergence")) for p in info["prompts"]])
+    if parting is not None:
+        parts += [Text(), parting]
     shared = _shared_blocks(info, decode, token_lists)
     if shared is not None:
         parts += [Text(), shared]
     return Group(*parts)
+
+
+def divergence_table(rows: list[tuple[Any, dict[str, Any] | None]]) -> RenderableType | None:
+    """Where each prompt parts from the earlier prompt it shares the most with: that prompt,
+    the token, and the text on both sides (marked ‖), this prompt's above the earlier one's."""
+    rows = [(who, d) for who, d in rows if d is not None]
+    if not rows:
+        return None
+    table = Table(
+        title="Where prompts part from earlier ones (‖: the first token that differs)",
+        title_justify="left",
+        header_style="bold",
+        expand=True,
+    )
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("with", justify="right", no_wrap=True)
+    table.add_column("at token", justify="right", no_wrap=True)
+    table.add_column("this prompt / the earlier one", overflow="ellipsis", ratio=1)
+    for who, d in rows[:MAX_ROWS]:
+        table.add_row(str(who), str(d["shared_with"]), f"{d['at_token']:,}", divergence_text(d))
+    if len(rows) > MAX_ROWS:
+        table.caption = f"… {len(rows) - MAX_ROWS:,} more (--json lists them all)"
+    return table
+
+
+def divergence_text(d: dict[str, Any], width: int = 40) -> Text:
+    """A divergence record's two sides (``width`` characters each side of the mark at most),
+    or what stands for them where there is no text."""
+    from ..divergence import marked
+
+    sides = marked(d, width)
+    if sides is None:
+        ids = d.get("hash_ids") or [None, None]
+        if ids[0] is None:
+            return Text("one prompt ends inside the other's block (no text: hash ids only)", "dim")
+        return Text(
+            f"hash id {ids[0]} against {ids[1]} in 512-token block {d['hash_block']} "
+            "(no text: hash ids only)",
+            "dim",
+        )
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append(sides[0], "italic")
+    text.append("\n")
+    text.append(sides[1], "dim italic")
+    return text
 
 
 def _shared_blocks(info: dict[str, Any], decode, token_lists) -> RenderableType | None:
@@ -224,6 +272,7 @@ def render_request(info: dict[str, Any], block_size: int) -> RenderableType:
     text = Text()
     text.append(f"request {info['seq_id']}", "bold")
     text.append(f": {info['num_prompt_tokens']:,} prompt tokens, {block_size}-token blocks\n")
+    _append_divergence(text, info.get("divergence"))
     if not info["lookups"]:
         text.append("never admitted in this trace (it was still waiting when it ended)", "dim")
     for look in info["lookups"]:
@@ -241,6 +290,12 @@ def render_request(info: dict[str, Any], block_size: int) -> RenderableType:
             elif b["hit"] == "revived":
                 text.append("hit, revived", "blue")
                 text.append(" from the free queue (cached, no one was using it)\n")
+            elif b["hit"] == "copied":
+                text.append(f"hit, copied {b['num_tokens']:,} tokens", "cyan")
+                text.append(f" from block {b['source_block_id']} (same prefix), then ")
+                missed = True
+                text.append(f"miss: {look['miss_reason']}", "bold red")
+                text.append(f" — {look['explanation']}\n")
             elif not missed:
                 missed = True
                 text.append(f"miss: {look['miss_reason']}", "bold red")
@@ -251,3 +306,30 @@ def render_request(info: dict[str, Any], block_size: int) -> RenderableType:
                     " (follows the first miss: a block hits only after its whole prefix)\n", "dim"
                 )
     return text
+
+
+def _append_divergence(text: Text, d: dict[str, Any] | None) -> None:
+    """The earlier request this one shares the most with, and where they part."""
+    if d is None:
+        text.append("no earlier request shares its first token\n", "dim")
+        return
+    text.append(f"shares its first {d['at_token']:,} tokens with request {d['shared_with']}")
+    if d["prompt_ends_here"]:
+        text.append(" (all of this prompt)\n")
+        return
+    text.append(f", then parts at token {d['at_token']:,}:\n")
+    append_divergence_sides(text, d, "  ")
+
+
+def append_divergence_sides(text: Text, d: dict[str, Any], indent: str, width: int = 40) -> None:
+    """A divergence's two sides on two lines, labelled; one line where there is no text."""
+    lines = divergence_text(d, width).split("\n")
+    if len(lines) == 1:
+        text.append(indent)
+        text.append_text(lines[0])
+        text.append("\n")
+        return
+    for label, line in zip(("this:    ", "earlier: "), lines):
+        text.append(indent + label, "bold")
+        text.append_text(line)
+        text.append("\n")

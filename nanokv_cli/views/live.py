@@ -258,7 +258,7 @@ class LiveView:
             text.append(f"hit rate {s.hits / s.queries:.1%}", "bold yellow")
             text.append(
                 f" (shared {s.shared_hits / s.queries:.1%} · revived {s.revived_hits / s.queries:.1%}"
-                f" of {s.queries:,} tokens looked up)"
+                f" · copied {s.copied_hits / s.queries:.1%} of {s.queries:,} tokens looked up)"
             )
         else:
             text.append("no lookups yet", "dim")

@@ -21,6 +21,7 @@ MISS_HELP = {
     "disabled": "prefix caching off",
     "preempted": "recomputed after preemption",
     "last-block": "block with the prompt's last token, always computed",
+    "last-token": "the prompt's last token, always computed",
     "in-flight": "being computed by another sequence",
     "evicted": "was cached, evicted",
     "partial": "shared prefix ends inside the block",
@@ -57,9 +58,10 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     hits = r["cache_hits"]
     if hits:
         table.add_row(
-            "  shared / revived",
-            f"{r['shared_hit_tokens'] / hits:.0%} / {r['revived_hit_tokens'] / hits:.0%}",
-            "of hits: block in use / freed block still cached",
+            "  shared / revived / copied",
+            f"{r['shared_hit_tokens'] / hits:.0%} / {r['revived_hit_tokens'] / hits:.0%}"
+            f" / {r.get('copied_hit_tokens', 0) / hits:.0%}",
+            "of hits: block in use / freed block still cached / tokens copied from a block",
         )
     if "infinite_cache_hit_rate" in r:
         table.add_row("  infinite cache", _pct(r["infinite_cache_hit_rate"]), "upper bound")

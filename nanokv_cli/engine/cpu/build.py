@@ -179,7 +179,7 @@ def sources() -> list[Path]:
 
 def library_path(variant: IsaVariant, compiler: str) -> Path:
     """Where ``variant``'s library built by ``compiler`` lives in the cache."""
-    from ..loader import default_cache_dir
+    from ..cache_dir import default_cache_dir
 
     digest = hashlib.sha256()
     for source in sources():

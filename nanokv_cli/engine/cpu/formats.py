@@ -7,8 +7,13 @@ for decode steps and a 6-row tile for batches and prefills over the same bytes, 
 held twice and a row computes the same products whatever batch it is in.
 
 - ``q4``: GGUF's Q4_0 and Q4_1 (``w = scale * q + zero``, q in 0..15 per 32 inputs), panels of
-  16 outputs, two outputs' nibbles per byte (the file's own size). Inputs are rounded to int8 per 32 values, as
-  llama.cpp rounds them for the same blocks (its Q8_1 activations).
+  16 outputs, two outputs' nibbles per byte (the file's own size). Inputs are rounded to int16
+  per 32 values, every row of every step alike: so a token's K/V and logits are the same bits
+  in a decode step, a prompt chunk or a recompute after preemption, and a prefix-cache hit
+  (which changes what shares a step) cannot change a greedy answer. llama.cpp rounds them to
+  int8 (its Q8_1 activations), which costs half the multiply-adds; int8 on prompt rows flipped
+  the default model's answer to "What is the capital of France?", and int8 on decode rows only
+  (what nanokv did before) let a row's bits depend on its step.
 - ``q8``: GGUF's Q8_0 (``w = scale * q``, q in -127..127 per 32 inputs), panels of 16 outputs.
   Inputs are rounded to int16 per 32 values: this format serves the LM head, whose near ties
   between logits int8-rounded inputs flip (they turn the default model's answer to "What is
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..loader import byte_view, dequantize
+from ..gguf_file import byte_view, dequantize
 from . import kernels
 
 GROUP_SIZE = 32
@@ -50,7 +55,7 @@ class WeightFormat:
 
 
 Q4 = WeightFormat(
-    "q4", kernels.LINEAR_Q4P, frozenset({GGML_Q4_0, GGML_Q4_1}), 0.625, "int8 per 32 values"
+    "q4", kernels.LINEAR_Q4P, frozenset({GGML_Q4_0, GGML_Q4_1}), 0.625, "int16 per 32 values"
 )
 Q8 = WeightFormat("q8", kernels.LINEAR_Q8P, frozenset({GGML_Q8_0}), 1.0625, "int16 per 32 values")
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (Q4, Q8)}
@@ -108,13 +113,11 @@ class PackedLinear(nn.Module):
         zero = torch.cat([g.zero for g in groups]) if fmt is Q4 else None
         return cls(fmt, kernels.pack(fmt.kind, q, scale, zero), widths.pop(), q.shape[0], bias)
 
-    def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
-        """``exact_inputs``: round the input rows to 16 bits whatever the format (the runner's
-        choice for steps with prompt rows); otherwise as the format says."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or rows.stride(-1) != 1:
             rows = rows.float().contiguous()
-        y = kernels.linear(self.spec, rows, exact_inputs=exact_inputs)
+        y = kernels.linear(self.spec, rows)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -239,57 +242,23 @@ def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 # -- float32 layers ----------------------------------------------------------------------------
 
-# The C GEMV beats MKL's GEMM on float32 weights up to ~16 rows (30 SmolLM2 layers, 1 thread: 4
-# rows 17-24 vs 31-34 ms, 16 rows 53-75 vs 59-80 ms; the LM head at 4 rows, 2 threads, 6.9 vs
-# 17.9 ms), so a decode step of up to this many rows over float32 projections is a recorded
-# step too. Packed formats have no limit: their 6-row tiles are the batched path.
-F32_FUSED_MAX_ROWS = 16
-# At most this many bytes of MKL-packed float32 copies (FloatLinear's packed_row).
-MAX_ROW_PACKED_BYTES = 1 << 30
-
-
-def fused_decode_max_rows(projections: Sequence[nn.Module]) -> float:
-    """Rows up to which a decode step over these projections is recorded and replayed."""
-    if all(isinstance(m, PackedLinear) for m in projections):
-        return float("inf")
-    return F32_FUSED_MAX_ROWS
-
 
 class FloatLinear(nn.Module):
-    """A float32 layer on the CPU: the C GEMV up to ``F32_FUSED_MAX_ROWS`` rows, where it beats
-    MKL's GEMM (and a recorded step can replay it), ``F.linear`` beyond.
-
-    ``packed_row``: also keep MKL's packed copy for 1-row inputs (the op torch.compile's CPU
-    backend uses), which streams a wide matrix faster than the C GEMV at one row (an LM head
-    49152x576, 1 thread: 5.5 vs 9.3 ms) at the cost of the weight's bytes again; worth it only
-    for wide layers outside the recorded steps (``worth_packing``: the LM head). ``weight``
-    stays shared (a tied LM head is the token embedding).
+    """A float32 layer on the CPU, through the C kernels' ``LINEAR_F32`` for every row count
+    (``csrc/linear.c``): one arithmetic per output, so a row's result does not depend on the
+    rows it shares a batch with (torch's GEMM gives 1-3 rows other bits than more), and a
+    recorded decode step can replay it at any size. ``weight`` stays shared (a tied LM head is
+    the token embedding).
     """
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed_row: bool = False
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.spec = kernels.linear_spec(kernels.LINEAR_F32, weight, weight.shape[1], bias=bias)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 1) if packed_row else None
-        self.register_buffer("packed", packed)
 
-    @staticmethod
-    def can_pack_rows() -> bool:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-    @staticmethod
-    def worth_packing(weight: torch.Tensor) -> bool:
-        # MKL's 1-row packing is 1.5-2x faster on wide matrices (LM head, gate/up) but slower on
-        # square and narrow ones (o +25%, down 2x; AVX2, 1-2 threads).
-        out_features, in_features = weight.shape
-        return out_features >= 1.5 * in_features and out_features >= 512
-
-    def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1 and self.packed is not None:
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
-        few = x.dim() == 2 and x.shape[0] <= F32_FUSED_MAX_ROWS and x.stride(1) == 1
-        if few and kernels.runs(x):  # the C GEMV takes rows with packed columns
-            return kernels.linear(self.spec, x)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.weight.shape[1])
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        y = kernels.linear(self.spec, rows)
+        return y.to(x.dtype).view(*x.shape[:-1], self.weight.shape[0])

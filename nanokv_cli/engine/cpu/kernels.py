@@ -13,10 +13,11 @@ Why leave PyTorch on the CPU:
   the torch layers made on an earlier step of as many rows or more (``StepProgram``: ~10 ms
   less Python per SmolLM2 step).
 * Quantized weights. ``linear`` multiplies GGUF's blocks (Q4_0/Q4_1, Q8_0) in the packed
-  formats (``formats.py``, packed by ``pack``) by inputs rounded to int8 or int16 per 32 values, with integer
+  formats (``formats.py``, packed by ``pack``) by inputs rounded to int16 per 32 values, with integer
   multiply-adds in tiles blocked for L1/L2, one layout for every row count (``formats.py``
-  holds the layers). Float32 weights go through the same entry point for a few rows
-  (``formats.FloatLinear``).
+  holds the layers). Float32 weights go through the same entry point, for every row count too
+  (``formats.FloatLinear``): one product per output whatever the batch, where torch's GEMM
+  rounds 1-3 rows otherwise than more.
 * A float16 KV cache (``auto``, CPUs with F16C): the store rounds K/V to float16 and the
   attention kernel converts them back as it reads, halving a decode step's cache traffic.
 
@@ -79,7 +80,7 @@ _SIGNATURES = {
     "store_kv_f32": ([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int, _int], None),
     "cache_half_supported": ([], _int),
     "silu_mul_f32": ([_ptr, _i64, _i64, _ptr, _int], None),
-    "linear_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
+    "linear_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _i64, _ptr, _i64, _int], _int),
     "dequantize_rows_f32": ([ctypes.POINTER(LinearSpec), _ptr, _i64, _ptr, _int], None),
     "q4p_bytes": ([_i64, _i64], _i64),
     "q4p_pack": ([_ptr, _ptr, _ptr, _i64, _i64, _ptr, _int], None),
@@ -258,15 +259,10 @@ def linear_spec(
     )
 
 
-def linear(
-    spec: LinearSpec,
-    x: torch.Tensor,
-    out: torch.Tensor | None = None,
-    exact_inputs: bool = False,
-) -> torch.Tensor:
-    """``x W^T + b`` for float32 rows ``x`` [n, in] (row stride free, columns packed).
-    ``exact_inputs`` (a step holding prompt rows): ``LINEAR_Q4P`` rounds the inputs to int16
-    per 32 instead of int8, as ``LINEAR_Q8P`` always does; float32 weights take them as they are."""
+def linear(spec: LinearSpec, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for float32 rows ``x`` [n, in] (row stride free, columns packed). The
+    packed formats round each row to int16 per 32 (formats.py); float32 weights take the rows
+    as they are. A row's result does not depend on the other rows."""
     if x.dim() != 2 or x.shape[1] != spec.in_ or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(
             f"linear needs float32 rows [n, {spec.in_}], got {x.dtype} {tuple(x.shape)}"
@@ -282,7 +278,6 @@ def linear(
         _Rows(n),
         out,
         out.stride(0),
-        int(exact_inputs),
         _Threads(),
     )
     if failed:

@@ -110,9 +110,6 @@ class AttentionMetadata:
     """Everything the attention layers need for one step, built once and shared by all layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
-    # The step holds prompt rows: quantized projections round their inputs to 16 bits, not 8
-    # (a prompt's K/V feed every later token; see cpu/formats.py). Chosen by the runner.
-    exact_inputs: bool = False
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     paged_decode: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)

@@ -46,8 +46,7 @@ class LinearBase(nn.Module):
             loaded = self.shard(loaded, self.tp_dim)
         copy_checked(param.data, loaded)
 
-    def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
-        """``exact_inputs`` is for packed layers (cpu/formats.py); float32 is exact anyway."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
@@ -112,7 +111,7 @@ class RowParallelLinear(LinearBase):
         inp = divide(input_size, tp_size(), "input features")
         super().__init__(inp, output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias belongs to the sum, so only one rank adds it.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:

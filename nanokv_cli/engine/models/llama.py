@@ -48,7 +48,7 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden, meta.exact_inputs)
+        qkv = self.qkv_proj(hidden)
         n = qkv.shape[0]
         qk_end = self.q_size + self.kv_size
         v = qkv[:, qk_end:].view(n, self.num_kv_heads, self.head_dim)
@@ -62,7 +62,7 @@ class DecoderAttention(nn.Module):
             # q and k sit side by side in the fused output: rotate both with one set of kernels.
             qk = apply_rotary(qkv[:, :qk_end].view(n, -1, self.head_dim), *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return self.o_proj(self.attn(q, k, v, meta), meta.exact_inputs)
+        return self.o_proj(self.attn(q, k, v, meta))
 
     def _rotate_in_place(self, qkv: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k as views of the fused projection output, (normed and) rotated in place."""
@@ -86,13 +86,13 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, exact_inputs: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, exact_inputs)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         if cpu_kernels.runs(gate_up):
             act = cpu_kernels.silu_mul(gate_up)
         else:
             act = self.act(gate_up)
-        return self.down_proj(act, exact_inputs)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, rope, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, meta.exact_inputs), residual
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):

@@ -201,13 +201,14 @@ static inline int64_t chunk_at(const void *cache, const int64_t *table, int64_t 
 }
 
 /* Query rows that read a chunk of cache rows while it is in L1: consecutive positions of one
-   prompt (a prefill chunk) form tiles of up to this many; a decode row is a tile of its own. */
+   prompt (a prefill chunk) form tiles of up to this many; a decode row is a tile of its own.
+   Every row of a tile computes its scores, softmax and values with the operations a decode row
+   of the same context takes, in the same order (chunk boundaries fall at the same positions:
+   they depend on the position and the block size, and the last one on the row's own length),
+   so a row's output is the same bits in a decode step, in a prompt chunk cut anywhere, or
+   recomputed after a preemption. (A transposed-query tile for AVX-512, 16 rows a vector, saved
+   ~1/6 of the prefill attention but summed each score in another order: scripts/BENCHMARKS.md.) */
 #define QUERY_TILE 16
-#ifdef __AVX512F__
-#define TILE_SCORES 1
-#else
-#define TILE_SCORES 0
-#endif
 
 typedef struct {
     const float *q;
@@ -220,60 +221,6 @@ typedef struct {
     _Atomic int failed;
 } AttentionJob;
 
-#ifdef __AVX512F__
-/* a[i]'s lane j -> a[j]'s lane i, for the 16x16 block a */
-static inline void transpose16(__m512 a[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(a[i], a[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(a[i], a[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        a[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        a[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        a[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        a[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_f32x4(a[i], a[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_f32x4(a[i + 8], a[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_f32x4(a[i + 8], a[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; i++) {
-        a[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        a[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-        a[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-        a[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-}
-
-/* A full tile's scores (QUERY_TILE = 16 rows) against m <= 16 float16 cache rows of one KV
-   head (a float16 chunk: CHUNK_HALF rows), for its `group` query heads: qt [group][dim][16]
-   holds the tile's queries transposed (16 rows a vector), so each key's values, converted once
-   into kf and broadcast, multiply 16 rows at a time and no score needs a horizontal sum. Row
-   r's scores go to scores + r * row_stride + g * row. */
-static void tile_scores(const float *qt, int64_t group, const uint16_t *k, int64_t stride,
-                        int64_t m, int64_t dim, float scale, float *kf, float *scores,
-                        int64_t row_stride, int64_t row) {
-    for (int64_t t = 0; t < 16; t++)
-        for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(kf + t * dim + d, t < m ? cache_load16(k, t * stride + d, 1) : _mm512_setzero_ps());
-    const __mmask16 keys = (__mmask16)((1u << m) - 1);
-    for (int64_t g = 0; g < group; g++) {
-        __m512 acc[16];
-        for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d++) {
-            const __m512 q = _mm512_loadu_ps(qt + (g * dim + d) * 16);
-            for (int t = 0; t < 16; t++) acc[t] = _mm512_fmadd_ps(q, _mm512_set1_ps(kf[t * dim + d]), acc[t]);
-        }
-        transpose16(acc); /* acc[r]: row r's scores of the 16 keys */
-        for (int r = 0; r < 16; r++)
-            _mm512_mask_storeu_ps(scores + r * row_stride + g * row, keys, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
-    }
-}
-#endif
-
 /* One work item: the query rows of tile item / parts (tiles[tile] to tiles[tile + 1], one
    sequence, context lengths ascending), its KV heads from (item % parts) * span, span of them. */
 static void attend(void *arg, int64_t item) {
@@ -284,32 +231,13 @@ static void attend(void *arg, int64_t item) {
     const int64_t *lens = j->context_lens + first, len = lens[rows - 1];
     const int64_t *table = j->block_tables + first * j->width;
     const size_t elem = j->half ? 2 : 4;
-    /* a full tile over a float16 cache (chunks of at most 16 rows), dims in 16s: transposed
-       queries (tile_scores) */
-    _Static_assert(QUERY_TILE == 16 && CHUNK_HALF <= 16, "tile_scores works in 16 lanes");
-    const int transposed = TILE_SCORES && rows == QUERY_TILE && j->half && dim % 16 == 0;
-    const int64_t extra = transposed ? (hq + 1) * dim * 16 : 0;
-    float *scores = malloc(sizeof(float) * (size_t)(rows * hq * row + extra));
+    float *scores = malloc(sizeof(float) * (size_t)(rows * hq * row));
     if (scores == NULL) {
         atomic_store(&j->failed, 1);
         return;
     }
-    float *qt = scores + rows * hq * row; /* then 16 keys' float32 rows (tile_scores) */
-    for (int64_t g = 0; transposed && g < hq; g++)
-        for (int64_t d = 0; d < dim; d++)
-            for (int64_t r = 0; r < 16; r++)
-                qt[(g * dim + d) * 16 + r] = j->q[(first + r) * j->q_stride + (h0 * group + g) * dim + d];
     for (int64_t t0 = 0, m; t0 < len; t0 += m) {
         const int64_t at = chunk_at(j->k_cache, table, t0, len, j->block_size, j->half, j->row_bytes, &m) * slot + h0 * dim;
-#ifdef __AVX512F__
-        if (transposed) {
-            for (int64_t h = 0; h < j->span; h++)
-                tile_scores(qt + h * group * dim * 16, group, (const uint16_t *)j->k_cache + at + h * dim,
-                            slot, m, dim, j->scale, qt + hq * dim * 16, scores + h * group * row + t0,
-                            hq * row, row);
-            continue;
-        }
-#endif
         for (int64_t r = rows - 1; r >= 0 && lens[r] > t0; r--) { /* the rows that reach t0 */
             const int64_t mr = lens[r] - t0 < m ? lens[r] - t0 : m;
             const float *qr = j->q + (first + r) * j->q_stride + h0 * group * dim;

@@ -133,16 +133,16 @@ typedef struct {
     const float *bias;  /* [out] or NULL */
 } Linear;
 
-/* exact_inputs: the step holds prompt rows, whose K/V every later token reads: LINEAR_Q4P rounds
-   its inputs to 16 bits instead of 8 (LINEAR_Q8P always does; LINEAR_F32 does not round). */
+/* The packed kinds round their inputs to int16 per 32, every row alike; LINEAR_F32 does not
+   round. */
 int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
-               int64_t y_stride, int exact_inputs, int threads);
+               int64_t y_stride, int threads);
 
 int64_t q4p_bytes(int64_t out, int64_t in);
 void q4p_pack(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero, int64_t out,
               int64_t in, uint8_t *packed, int threads);
 int q4p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
-               int64_t y_stride, int exact_inputs, int threads);
+               int64_t y_stride, int threads);
 void q4p_dequantize_row(const Linear *L, int64_t row, float *out);
 int64_t q8p_bytes(int64_t out, int64_t in);
 void q8p_pack(const int8_t *q, const uint16_t *scale, int64_t out, int64_t in, uint8_t *packed,
@@ -164,7 +164,7 @@ typedef struct {
 } PanelFormat;
 int panel_linear(const PanelFormat *f, const Linear *L, const float *x, int64_t x_stride,
                  int64_t n, float *y, int64_t y_stride, int threads);
-/* 16-bit inputs (panels.c): one 32-block rounded to int16, q = round(x * (X16_MAX / max|x|)),
+/* The input rounding (panels.c): one 32-block rounded to int16, q = round(x * (X16_MAX / max|x|)),
    *d = max|x| / X16_MAX; returns sum(q). */
 #define X16_MAX 32767.0f
 int round_block_i16(const float *x, int16_t *q, float *d);

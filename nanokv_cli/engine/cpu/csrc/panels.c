@@ -20,7 +20,7 @@
 
 /* One 32-block of an input row: q = round(x * (32767 / max|x|)), *d = max|x| / 32767; returns
    sum(q). ~2e-5 of a row's norm (see q8.c): the rounding the LM head needs, and the one every
-   Q4P layer takes in steps with prompt rows. */
+   Q4P layer takes for every row (q4.c). */
 int round_block_i16(const float *x, int16_t *q, float *d) {
     int total = 0;
 #ifdef __AVX2__

@@ -53,7 +53,7 @@ int run_program(const ProgramOp *ops, int64_t count, char *const *bases, const i
                                       I(11), F(12), P(13), I(14), (int)I(15), (int)I(16));
             break;
         case SILU_MUL: silu_mul_f32(P(0), I(1), I(2), P(3), (int)I(4)); break;
-        case LINEAR: failed = linear_f32(P(0), P(1), I(2), I(3), P(4), I(5), (int)I(6), (int)I(7)); break;
+        case LINEAR: failed = linear_f32(P(0), P(1), I(2), I(3), P(4), I(5), (int)I(6)); break;
         default: failed = 1;
         }
         if (failed) return 1;

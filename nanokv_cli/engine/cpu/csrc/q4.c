@@ -11,22 +11,24 @@
      [8 steps s][8 lanes c][4 inputs e] bytes: the low nibble is q of output 16p + c at input
          32b + 4s + e, the high nibble the same for output 16p + 8 + c
      float16 scale[16], float16 zero[16]
-   One 32-byte load, an and, a shift and an and give a step's two weight vectors: 8 outputs' next
-   4 weights each, as vpmaddubsw wants them (for vpmaddwd, an and or a shift more makes them
-   int16 pairs: inputs 0 and 2, 1 and 3). The scales stay float16 (exact, and converted once
+   A 32-byte load and an and (or a shift and an and) give a step's weights as the int16 pairs
+   vpmaddwd takes: inputs 0 and 2, 1 and 3. The scales stay float16 (exact, and converted once
    per record) so that the layer takes no more bytes than the file.
 
-   Arithmetic (llama.cpp's): each input row is rounded to int8 per 32 (d = max|x| / 127,
-   s = d * sum(q)); per block and output the integer sum acc = sum q_w q_x is exact, then
-   sum = fma(zero, s, fma(float(acc), scale * d, sum)) in float32, block after block. With
-   exact_inputs (a step holding prompt rows, whose K/V every later token reads: int8 rounding
-   there flipped the default model's answer to "What is the capital of France?") the rows are
-   rounded to int16 per 32 instead, exactly as LINEAR_Q8P rounds them (d = max|x| / 32767), and
-   the same integer and float steps follow. Every tile does exactly that per row, so a row's
-   result does not depend on the rows it shares a batch with; and as the integer sums are exact,
-   the AVX2 and AVX-512 builds (and plain C where the FMA is hardware) give the same bits. Plain
-   C on x86-64 without FMA multiplies and adds instead (a software fmaf would cost more than the
-   products).
+   Arithmetic: each input row is rounded to int16 per 32, exactly as LINEAR_Q8P rounds them
+   (d = max|x| / 32767, s = d * sum(q)); per block and output the integer sum acc = sum q_w q_x
+   is exact, then sum = fma(zero, s, fma(float(acc), scale * d, sum)) in float32, block after
+   block. Every row of every step, decode or prompt: a token's K/V and logits are then the same
+   bits whether it is decoded, computed in a prompt chunk, or recomputed after a preemption, so
+   what shares its step (a prefix-cache hit changes that) cannot change an answer. llama.cpp
+   rounds these inputs to int8 (vpmaddubsw, half the multiply-adds): on prompt rows that flipped
+   the default model's answer to "What is the capital of France?", and on decode rows alone it
+   made a row's bits depend on its step. 16 bits cost little at one row (memory-bound: a decode
+   step of one sequence took 2-5% longer here), ~25% per step at 16-64 rows (AVX-512 VNNI).
+   Every tile does exactly that per row, so a row's result does not depend on the rows it
+   shares a batch with; and as the integer sums are exact, the AVX2 and AVX-512 builds (and
+   plain C where the FMA is hardware) give the same bits. Plain C on x86-64 without FMA
+   multiplies and adds instead (a software fmaf would cost more than the products).
 
    Tiles: up to PANEL_TILE_ROWS (6) rows against one panel, over the whole input; a batch is
    6-row tiles and one of the rest (panels.c, panel_linear, which LINEAR_Q8P shares).
@@ -100,45 +102,11 @@ void q4p_dequantize_row(const Linear *L, int64_t row, float *out) {
 
 /* ---- Input rounding ------------------------------------------------------------------------ */
 
-/* One 32-block of an input row: q = round(x / d), d = max|x| / 127; ds = (d, d * sum(q)). */
-static void round_block_q8(const float *x, int8_t *q, float *ds) {
-    float amax = 0.0f;
-#ifdef __AVX2__
-    __m256 v[4];
-    amax = load32_amax(x, v);
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-    __m256i i[4];
-    for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-    /* the two packs interleave 32-bit groups across lanes; the permute restores element order */
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    const int total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
-#else
-    for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(x[j]));
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-    int total = 0;
-    for (int j = 0; j < QBLOCK; j++) {
-        q[j] = (int8_t)nearbyintf(x[j] * inv);
-        total += q[j];
-    }
-#endif
-    ds[0] = d;
-    ds[1] = d * (float)total;
-}
-
-static void q4p_round_row(const float *x, int64_t in, void *q, float *ds) {
-    for (int64_t b = 0; b < in / QBLOCK; b++)
-        round_block_q8(x + b * QBLOCK, (int8_t *)q + b * QBLOCK, ds + 2 * b);
-}
-
-/* exact_inputs: int16 per 32, LINEAR_Q8P's rounding (panels.c), with the same (d, s) pairs, each
-   4 inputs of a step stored in the order 0, 2, 1, 3: the pairs (0, 2) and (1, 3) are those a
-   record's bytes give as int16 with an and and a shift (see the tiles). */
+/* int16 per 32, LINEAR_Q8P's rounding (panels.c), with (d, s) pairs, each 4 inputs of a step
+   stored in the order 0, 2, 1, 3: the pairs (0, 2) and (1, 3) are those a record's bytes give as
+   int16 with an and and a shift (see the tiles). */
 #define Q4P_X16_SLOT(k) (((k) & ~3) | ((k) & 1) << 1 | ((k) & 2) >> 1)
-static void q4p_round_row_i16(const float *x, int64_t in, void *q, float *ds) {
+static void q4p_round_row(const float *x, int64_t in, void *q, float *ds) {
     for (int64_t b = 0; b < in / QBLOCK; b++) {
         int16_t *out = (int16_t *)q + b * QBLOCK;
         const int total = round_block_i16(x + b * QBLOCK, out, ds + 2 * b);
@@ -159,29 +127,38 @@ static void q4p_round_row_i16(const float *x, int64_t in, void *q, float *ds) {
 }
 
 /* ---- Tiles: sums[rows][16] (zeroed) += `rows` rounded input rows x one panel -----------------
-   Row r's values (int8, or int16 with exact inputs) at byte offset r * x_stride of x, its
-   (d, s) pairs at ds + r * ds_stride. Both widths take the same float steps per block. */
+   Row r's int16 values at byte offset r * x_stride of x, its (d, s) pairs at ds + r * ds_stride. */
 
 #if !defined(Q4P_AVX2) && !defined(Q4P_VNNI)
-static inline __attribute__((always_inline)) void q4p_tile_generic(
-    const void *x, int64_t x_stride, const float *ds, int64_t ds_stride, const uint8_t *panel,
-    int64_t blocks, int rows, float *sums, const int wide) {
-    int8_t w[QBLOCK][16]; /* a record's weights, input-major so the output loop vectorises */
+static void q4p_tile_generic(const void *x, int64_t x_stride, const float *ds, int64_t ds_stride,
+                             const uint8_t *panel, int64_t blocks, int rows, float *sums) {
+    /* a record's weights input-major (one row: the output loop vectorises), or per output in the
+       rows' slot order (more rows: each output's sum is a dot product of two int16 runs, which
+       compilers vectorise, SSE2's pmaddwd); the integer sums are exact either way */
+    int16_t w[QBLOCK * 16];
     for (int64_t b = 0; b < blocks; b++, panel += Q4P_RECORD) {
         float scale[16], zero[16];
         for (int c = 0; c < 16; c++) {
             scale[c] = half_to_float(((const uint16_t *)(panel + Q4P_SCALES))[c]);
             zero[c] = half_to_float(((const uint16_t *)(panel + Q4P_ZEROS))[c]);
-            for (int k = 0; k < QBLOCK; k++) w[k][c] = (int8_t)q4p_weight(panel, c, k);
+            for (int k = 0; k < QBLOCK; k++) {
+                const int16_t q = (int16_t)q4p_weight(panel, c, k);
+                if (rows == 1) w[k * 16 + c] = q;
+                else w[c * QBLOCK + Q4P_X16_SLOT(k)] = q;
+            }
         }
         for (int r = 0; r < rows; r++) {
-            const char *xr = (const char *)x + r * x_stride;
+            const int16_t *xb = (const int16_t *)((const char *)x + r * x_stride) + b * QBLOCK;
             const float d = ds[r * ds_stride + 2 * b], s = ds[r * ds_stride + 2 * b + 1];
             int32_t acc[16] = {0};
-            for (int k = 0; k < QBLOCK; k++) {
-                const int32_t xk = wide ? ((const int16_t *)xr)[b * QBLOCK + Q4P_X16_SLOT(k)]
-                                        : ((const int8_t *)xr)[b * QBLOCK + k];
-                for (int c = 0; c < 16; c++) acc[c] += (int32_t)w[k][c] * xk;
+            if (rows == 1) {
+                for (int k = 0; k < QBLOCK; k++) {
+                    const int32_t xk = xb[Q4P_X16_SLOT(k)];
+                    for (int c = 0; c < 16; c++) acc[c] += (int32_t)w[k * 16 + c] * xk;
+                }
+            } else {
+                for (int c = 0; c < 16; c++)
+                    for (int j = 0; j < QBLOCK; j++) acc[c] += (int32_t)w[c * QBLOCK + j] * xb[j];
             }
             for (int c = 0; c < 16; c++) {
 #ifdef __FP_FAST_FMAF /* a hardware FMA (not x86-64 without AVX2): the vector tiles' bits */
@@ -199,46 +176,14 @@ static inline __attribute__((always_inline)) void q4p_tile_generic(
 #ifdef Q4P_AVX2
 #include "tiles_avx2.h"
 /* AVX2, for R = 1..6 rows, in the registers and assembly of tiles_avx2.h.
-   int8 inputs: a step is 4 inputs; one 32-byte load, an and, a shift and an and give its two
-   weight vectors (8 outputs' next 4 weights each) for vpmaddubsw, whose pairs are at most
-   2 * 15 * 127 = 3810, so a block's 8 steps sum exactly in 16 bits (30480 < 32767) before one
-   vpmaddwd by ones widens them to int32.
-   int16 inputs: a step is two halves of 2 inputs, (0, 2) and (1, 3) (the rows hold them in
-   that order), for vpmaddwd: the 32 bytes as int16 are (byte 0 | byte 1 << 8, byte 2 |
+   A step is two halves of 2 inputs, (0, 2) and (1, 3) (the rows hold them in that order), for
+   vpmaddwd: the 32 bytes as int16 are (byte 0 | byte 1 << 8, byte 2 |
    byte 3 << 8) per output, so an and with 0x00FF (a shift by 8) gives bytes 0 and 2 (1 and 3)
    as int16 pairs, L + 16 H with L the low nibble (outputs 0-7) and H the high one (8-15), and
    an and with 0x000F gives L alone. Row r sums (L x) into ymm 2r and ((L + 16 H) x) into
    ymm 2r + 1, which a block's end turns into (H x) = (that - (L x)) / 16: one and per half
    step fewer than unpacking L and H, and no shuffle. All exact in int32 (32 * 255 * 32767 <
    2^31). A row's scales are its (d, s) pairs. */
-/* int8: row r's next 4 inputs times both weight vectors; a block's first step sets the 16-bit
-   accumulators a and b, later steps add to them */
-#define Q4P_FIRST(xaddr, a, b)                                                 \
-    "vpbroadcastd " xaddr ", %%ymm14\n\t"                                      \
-    "vpmaddubsw %%ymm14, %%ymm12, %%ymm" #a "\n\t"                             \
-    "vpmaddubsw %%ymm14, %%ymm13, %%ymm" #b "\n\t"
-#define Q4P_NEXT(xaddr, a, b)                                                  \
-    "vpbroadcastd " xaddr ", %%ymm14\n\t"                                      \
-    "vpmaddubsw %%ymm14, %%ymm12, %%ymm15\n\t"                                 \
-    "vpaddw %%ymm15, %%ymm" #a ", %%ymm" #a "\n\t"                             \
-    "vpmaddubsw %%ymm14, %%ymm13, %%ymm15\n\t"                                 \
-    "vpaddw %%ymm15, %%ymm" #b ", %%ymm" #b "\n\t"
-#define Q4P_WIDEN(xaddr, a, b)                                                 \
-    "vpmaddwd %[ones], %%ymm" #a ", %%ymm" #a "\n\t"                           \
-    "vpmaddwd %[ones], %%ymm" #b ", %%ymm" #b "\n\t"
-/* ymm12 = the low nibbles (outputs 0-7), ymm13 = the high ones (outputs 8-15) */
-#define Q4P_STEP(ROWS, ROW, xo, wo)                                            \
-    "vmovdqu " #wo "(%[w]), %%ymm12\n\t"                                       \
-    "vpsrlw $4, %%ymm12, %%ymm13\n\t"                                          \
-    "vpand %[low], %%ymm12, %%ymm12\n\t"                                       \
-    "vpand %[low], %%ymm13, %%ymm13\n\t"                                       \
-    ROWS(ROW, xo)
-#define Q4P_BLOCK8(R)                                                                            \
-    Q4P_STEP(TILE_ROWS_##R, Q4P_FIRST, 0, 0) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 4, 32)            \
-    Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 8, 64) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 12, 96)           \
-    Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 16, 128) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 20, 160)        \
-    Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 24, 192) Q4P_STEP(TILE_ROWS_##R, Q4P_NEXT, 28, 224)        \
-    TILE_ROWS_##R(Q4P_WIDEN, 0)
 /* ymm13 = L + 16 H, ymm12 = L of the step's inputs 0 and 2 (EVEN), or 1 and 3 (ODD) */
 #define Q4P_EVEN16(ROWS, ROW, xo, wo)                                          \
     "vmovdqu " #wo "(%[w]), %%ymm13\n\t"                                       \
@@ -280,19 +225,15 @@ static inline __attribute__((always_inline)) void q4p_tile_generic(
     "vfmadd231ps %%ymm14, %%ymm15, %%ymm" #sr "\n\t"                           \
     "vbroadcastss 4" daddr ", %%ymm14\n\t"                                     \
     "vfmadd231ps %%ymm13, %%ymm14, %%ymm" #sr "\n\t"
-static const int16_t q4p_ones[16] __attribute__((aligned(32))) = {1, 1, 1, 1, 1, 1, 1, 1,
-                                                                  1, 1, 1, 1, 1, 1, 1, 1};
-static const uint8_t q4p_low[32] __attribute__((aligned(32))) = {
-    15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
-    15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
 static const uint16_t q4p_nibble16[16] __attribute__((aligned(32))) = {
     15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
 static const uint16_t q4p_byte16[16] __attribute__((aligned(32))) = {
     255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255, 255};
-/* sums[R][16] (zeroed) += R rows x one panel; xbytes: a block's bytes of one input row */
-#define Q4P_TILE_AVX2(name, R, BLOCK, xbytes)                                                    \
-    static void name##_##R(const void *x, int64_t x_stride, const float *ds, int64_t ds_stride,  \
-                           const uint8_t *panel, int64_t blocks, float *sums) {                  \
+/* sums[R][16] (zeroed) += R rows x one panel (a block: 64 bytes of each input row) */
+#define Q4P_TILE_AVX2(R)                                                                         \
+    static void q4p_tile_avx2_##R(const void *x, int64_t x_stride, const float *ds,              \
+                                  int64_t ds_stride, const uint8_t *panel, int64_t blocks,       \
+                                  float *sums) {                                                 \
         /* rows 3-5 through x3 and d3 (for fewer rows these are never read) */                  \
         uintptr_t x0 = (uintptr_t)x, x3 = x0 + 3 * (uintptr_t)x_stride;                          \
         uintptr_t d0 = (uintptr_t)ds, d3 = d0 + 3 * 4 * (uintptr_t)ds_stride;                    \
@@ -300,7 +241,7 @@ static const uint16_t q4p_byte16[16] __attribute__((aligned(32))) = {
         __asm__ volatile(                                                                        \
             TILE_ZERO_##R                                                                        \
             "1:\n\t"                                                                             \
-            BLOCK(R)                                                                             \
+            Q4P_BLOCK16(R)                                                                       \
             "vcvtph2ps 256(%[w]), %%ymm12\n\t"                                                   \
             "vcvtph2ps 288(%[w]), %%ymm13\n\t"                                                   \
             TILE_LO_##R(TILE_HALF_##R(Q4P_HALF_REG, Q4P_HALF_MEM))                               \
@@ -308,8 +249,8 @@ static const uint16_t q4p_byte16[16] __attribute__((aligned(32))) = {
             "vcvtph2ps 304(%[w]), %%ymm13\n\t"                                                   \
             TILE_HI_##R(TILE_HALF_##R(Q4P_HALF_REG, Q4P_HALF_MEM))                               \
             "addq $320, %[w]\n\t"                                                                \
-            "addq $" #xbytes ", %[x0]\n\t"                                                       \
-            "addq $" #xbytes ", %[x3]\n\t"                                                       \
+            "addq $64, %[x0]\n\t"                                                                \
+            "addq $64, %[x3]\n\t"                                                                \
             "addq $8, %[d0]\n\t"                                                                 \
             "addq $8, %[d3]\n\t"                                                                 \
             "decq %[blocks]\n\t"                                                                 \
@@ -317,33 +258,25 @@ static const uint16_t q4p_byte16[16] __attribute__((aligned(32))) = {
             TILE_STORE_##R                                                                       \
             : [w] "+r"(panel), [x0] "+r"(x0), [x3] "+r"(x3), [d0] "+r"(d0), [d3] "+r"(d3),       \
               [blocks] "+r"(blocks)                                                              \
-            : [xs] "r"(xs), [dst] "r"(dst), [s] "r"(sums), [ones] "m"(q4p_ones),                 \
-              [low] "m"(q4p_low), [nibble16] "m"(q4p_nibble16), [byte16] "m"(q4p_byte16)         \
+            : [xs] "r"(xs), [dst] "r"(dst), [s] "r"(sums), [nibble16] "m"(q4p_nibble16),         \
+              [byte16] "m"(q4p_byte16)                                                           \
             : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",     \
               "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");             \
     }
-Q4P_TILE_AVX2(q4p_tile_avx2, 1, Q4P_BLOCK8, 32)
-Q4P_TILE_AVX2(q4p_tile_avx2, 2, Q4P_BLOCK8, 32)
-Q4P_TILE_AVX2(q4p_tile_avx2, 3, Q4P_BLOCK8, 32)
-Q4P_TILE_AVX2(q4p_tile_avx2, 4, Q4P_BLOCK8, 32)
-Q4P_TILE_AVX2(q4p_tile_avx2, 5, Q4P_BLOCK8, 32)
-Q4P_TILE_AVX2(q4p_tile_avx2, 6, Q4P_BLOCK8, 32)
-Q4P_TILE_AVX2(q4p_tile16_avx2, 1, Q4P_BLOCK16, 64)
-Q4P_TILE_AVX2(q4p_tile16_avx2, 2, Q4P_BLOCK16, 64)
-Q4P_TILE_AVX2(q4p_tile16_avx2, 3, Q4P_BLOCK16, 64)
-Q4P_TILE_AVX2(q4p_tile16_avx2, 4, Q4P_BLOCK16, 64)
-Q4P_TILE_AVX2(q4p_tile16_avx2, 5, Q4P_BLOCK16, 64)
-Q4P_TILE_AVX2(q4p_tile16_avx2, 6, Q4P_BLOCK16, 64)
+Q4P_TILE_AVX2(1)
+Q4P_TILE_AVX2(2)
+Q4P_TILE_AVX2(3)
+Q4P_TILE_AVX2(4)
+Q4P_TILE_AVX2(5)
+Q4P_TILE_AVX2(6)
 #endif
 
 #ifdef Q4P_VNNI
 /* Any rows (R = 1..6), AVX-512 VNNI: a step's 32 nibble bytes, loaded into both halves of a
-   zmm and shifted by 0 (low half) and 4 (high half), are the 16 outputs' next 4 weights.
-   int8 inputs: one vpdpbusd per row adds their products with a broadcast of the row's next 4
-   inputs into 16 int32 sums. int16 inputs: an and and a shift make them int16 pairs (inputs
-   0 and 2, 1 and 3, as the rows hold them), and two vpdpwssd per row add their products with
-   broadcasts of the row's input pairs. The same function serves every row count, so a row's
-   operations do not depend on its batch; the float steps are those of the AVX2 tiles, and the
+   zmm and shifted by 0 (low half) and 4 (high half), are the 16 outputs' next 4 weights; an
+   and and a shift make them int16 pairs (inputs 0 and 2, 1 and 3, as the rows hold them), and
+   two vpdpwssd per row add their products with broadcasts of the row's input pairs. The same
+   function serves every row count, so a row's operations do not depend on its batch; the float steps are those of the AVX2 tiles, and the
    integer sums are exact, so the results are the same bits as the AVX2 build's. */
 /* acc + the products of w's int16 pairs with the pair at p, broadcast: vpdpwssd with an
    embedded broadcast, one instruction where gcc emits a broadcast and a vpdpwssd. */
@@ -356,42 +289,27 @@ static inline __attribute__((always_inline)) __m512i q4p_dpwssd_broadcast(__m512
 static inline __attribute__((always_inline)) void q4p_rows_vnni(const char *x, int64_t x_stride,
                                                                 const float *ds, int64_t ds_stride,
                                                                 const uint8_t *panel, int64_t blocks,
-                                                                float *sums, const int R,
-                                                                const int wide) {
+                                                                float *sums, const int R) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     const __m512i byte16 = _mm512_set1_epi16(0x00FF);
-    const int64_t xblock = wide ? 2 * QBLOCK : QBLOCK;
     __m512 sum[PANEL_TILE_ROWS];
     for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, panel += Q4P_RECORD) {
-        /* two chains per row (int8: even and odd steps, for up to 3 rows, whose few sums would
-           otherwise wait on each other; int16: each step's two pairs): the integer sums are
-           exact in either order */
+        /* two chains per row, each step's two pairs: the integer sums are exact in either order */
         __m512i acc[PANEL_TILE_ROWS], odd[PANEL_TILE_ROWS];
         for (int r = 0; r < R; r++) acc[r] = odd[r] = _mm512_setzero_si512();
-        const char *xb = x + b * xblock;
+        const char *xb = x + b * 2 * QBLOCK;
         _Pragma("GCC unroll 8") for (int step = 0; step < 8; step++) {
             const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(panel + 32 * step)));
             const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(raw, shift), low);
-            if (wide) {
-                const __m512i w0 = _mm512_and_si512(w, byte16), w1 = _mm512_srli_epi16(w, 8);
-                for (int r = 0; r < R; r++) {
-                    acc[r] = q4p_dpwssd_broadcast(acc[r], w0, xb + r * x_stride + 8 * step);
-                    odd[r] = q4p_dpwssd_broadcast(odd[r], w1, xb + r * x_stride + 8 * step + 4);
-                }
-            } else {
-                for (int r = 0; r < R; r++) {
-                    int32_t four;
-                    memcpy(&four, xb + r * x_stride + 4 * step, 4);
-                    if (R <= 3 && step % 2)
-                        odd[r] = _mm512_dpbusd_epi32(odd[r], w, _mm512_set1_epi32(four));
-                    else
-                        acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(four));
-                }
+            const __m512i w0 = _mm512_and_si512(w, byte16), w1 = _mm512_srli_epi16(w, 8);
+            for (int r = 0; r < R; r++) {
+                acc[r] = q4p_dpwssd_broadcast(acc[r], w0, xb + r * x_stride + 8 * step);
+                odd[r] = q4p_dpwssd_broadcast(odd[r], w1, xb + r * x_stride + 8 * step + 4);
             }
         }
-        for (int r = 0; (wide || R <= 3) && r < R; r++) acc[r] = _mm512_add_epi32(acc[r], odd[r]);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_add_epi32(acc[r], odd[r]);
         const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(panel + Q4P_SCALES)));
         const __m512 zero = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(panel + Q4P_ZEROS)));
         for (int r = 0; r < R; r++) {
@@ -404,49 +322,31 @@ static inline __attribute__((always_inline)) void q4p_rows_vnni(const char *x, i
 }
 #endif
 
-/* The tile for `rows` rows of int8 (wide = 0) or int16 (wide = 1) inputs. */
-static inline __attribute__((always_inline)) void q4p_tile_any(const void *q, int64_t q_stride,
-                                                               const float *ds, int64_t ds_stride,
-                                                               const uint8_t *panel, int64_t blocks,
-                                                               int rows, float *sums, const int wide) {
+static void q4p_tile(const void *q, int64_t q_stride, const float *ds, int64_t ds_stride,
+                     const uint8_t *panel, int64_t blocks, int rows, float *sums) {
 #if defined(Q4P_VNNI)
     const char *x = (const char *)q;
     switch (rows) {
-    case 1: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 1, wide); break;
-    case 2: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 2, wide); break;
-    case 3: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 3, wide); break;
-    case 4: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 4, wide); break;
-    case 5: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 5, wide); break;
-    default: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 6, wide);
+    case 1: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 1); break;
+    case 2: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 2); break;
+    case 3: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 3); break;
+    case 4: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 4); break;
+    case 5: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 5); break;
+    default: q4p_rows_vnni(x, q_stride, ds, ds_stride, panel, blocks, sums, 6);
     }
 #elif defined(Q4P_AVX2)
     typedef void (*Tile)(const void *, int64_t, const float *, int64_t, const uint8_t *, int64_t, float *);
-    static const Tile tiles[2][PANEL_TILE_ROWS] = {
-        {q4p_tile_avx2_1, q4p_tile_avx2_2, q4p_tile_avx2_3, q4p_tile_avx2_4, q4p_tile_avx2_5, q4p_tile_avx2_6},
-        {q4p_tile16_avx2_1, q4p_tile16_avx2_2, q4p_tile16_avx2_3, q4p_tile16_avx2_4,
-         q4p_tile16_avx2_5, q4p_tile16_avx2_6}};
-    tiles[wide][rows - 1](q, q_stride, ds, ds_stride, panel, blocks, sums);
+    static const Tile tiles[PANEL_TILE_ROWS] = {q4p_tile_avx2_1, q4p_tile_avx2_2, q4p_tile_avx2_3,
+                                                q4p_tile_avx2_4, q4p_tile_avx2_5, q4p_tile_avx2_6};
+    tiles[rows - 1](q, q_stride, ds, ds_stride, panel, blocks, sums);
 #else
-    q4p_tile_generic(q, q_stride, ds, ds_stride, panel, blocks, rows, sums, wide);
+    q4p_tile_generic(q, q_stride, ds, ds_stride, panel, blocks, rows, sums);
 #endif
 }
 
-static void q4p_tile(const void *q, int64_t q_stride, const float *ds, int64_t ds_stride,
-                     const uint8_t *panel, int64_t blocks, int rows, float *sums) {
-    q4p_tile_any(q, q_stride, ds, ds_stride, panel, blocks, rows, sums, 0);
-}
-
-static void q4p_tile16(const void *q, int64_t q_stride, const float *ds, int64_t ds_stride,
-                       const uint8_t *panel, int64_t blocks, int rows, float *sums) {
-    q4p_tile_any(q, q_stride, ds, ds_stride, panel, blocks, rows, sums, 1);
-}
-
-/* y [n, out] = x [n, in] W^T + b for a LINEAR_Q4P layer (in % 32 == 0); exact_inputs: rounded
-   to int16 per 32 instead of int8. */
+/* y [n, out] = x [n, in] W^T + b for a LINEAR_Q4P layer (in % 32 == 0). */
 int q4p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
-               int64_t y_stride, int exact_inputs, int threads) {
-    const int64_t in = L->in, pairs = 2 * (in / QBLOCK);
-    const PanelFormat int8 = {Q4P_RECORD, in, pairs, q4p_round_row, q4p_tile};
-    const PanelFormat int16 = {Q4P_RECORD, 2 * in, pairs, q4p_round_row_i16, q4p_tile16};
-    return panel_linear(exact_inputs ? &int16 : &int8, L, x, x_stride, n, y, y_stride, threads);
+               int64_t y_stride, int threads) {
+    const PanelFormat format = {Q4P_RECORD, 2 * L->in, 2 * (L->in / QBLOCK), q4p_round_row, q4p_tile};
+    return panel_linear(&format, L, x, x_stride, n, y, y_stride, threads);
 }

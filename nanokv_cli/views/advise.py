@@ -1,0 +1,165 @@
+"""Rendering for ``nanokv advise``: the hit rate against its bounds, what limits it, where
+prompts part, the changes ranked by measured gain, the whole grid, and the notes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from .inspect import append_divergence_sides
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def _points(gain: float) -> str:
+    return f"{gain * 100:+.1f} points"
+
+
+def render_advice(advice: dict[str, Any]) -> RenderableType:
+    parts: list[RenderableType] = [_headline(advice), Text()]
+    parts += [_limits(advice["limits"]), Text()]
+    unit = "request" if advice["input"]["kind"] == "trace" else "line"
+    parting = _divergence_points(advice["divergence_points"], unit)
+    if parting is not None:
+        parts += [parting, Text()]
+    parts += [_changes(advice), Text(), _grid(advice["grid"]), Text(), _notes(advice["notes"])]
+    return Group(*parts)
+
+
+def _settings(s: dict[str, Any]) -> str:
+    words = [f"block size {s['block_size']}", f"{s['num_blocks']:,} blocks"]
+    if not s["prefix_caching"]:
+        words.append("prefix caching off")
+    elif "prefix_match" in s:
+        words.append(f"prefix match {s['prefix_match']}")
+    return ", ".join(words)
+
+
+def _headline(advice: dict[str, Any]) -> Text:
+    inp = advice["input"]
+    text = Text()
+    text.append(f"advise {Path(inp['source']).name}", "bold")
+    text.append(f": {inp['requests']:,} requests, {_settings(advice['settings'])}\n")
+    rec = advice.get("recorded")
+    if rec:
+        text.append(
+            f"recorded run: hit rate {_pct(rec['hit_rate'])} "
+            f"({rec['cache_hits']:,} of {rec['cache_queries']:,} prompt tokens)\n"
+        )
+    now = advice["now"]
+    text.append("hit rate now ")
+    text.append(_pct(advice["hit_rate"]), "bold yellow")
+    text.append(f" ({now['cache_hits']:,} of {now['cache_queries']:,} prompt tokens)")
+    bounds = advice["bounds"]
+    pieces = []
+    if bounds["infinite_cache"]:
+        pieces.append(
+            f"{_pct(bounds['infinite_cache']['hit_rate'])} with a cache that never evicts"
+        )
+    if bounds["token_level"]:
+        pieces.append(f"{_pct(bounds['token_level']['hit_rate'])} token-level (block size 1)")
+    else:
+        pieces.append("token-level not run (see the notes)")
+    text.append("\nbounds for these prompts: " + " · ".join(pieces))
+    return text
+
+
+def _limits(limits: list[dict[str, Any]]) -> RenderableType:
+    if not limits:
+        return Text("nothing missed but what no cache can serve", "dim")
+    table = Table(
+        title="What limits it (missed prompt tokens, by the engine's reasons)",
+        title_justify="left",
+        header_style="bold",
+        box=None,
+        expand=True,
+    )
+    table.add_column("reason", no_wrap=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
+    table.add_column("of all", justify="right", no_wrap=True)
+    table.add_column("meaning", ratio=1)
+    for lim in limits:
+        meaning = lim["explanation"]
+        if "prompts" in lim:
+            n = lim["prompts"]
+            meaning = (
+                f"{n:,} prompt{'s' if n != 1 else ''} shorter than one block: whole-block "
+                f"reuse can never serve {'them' if n != 1 else 'it'}"
+            )
+        table.add_row(lim["reason"], f"{lim['tokens']:,}", _pct(lim["share"]), meaning)
+    return table
+
+
+def _divergence_points(points: list[dict[str, Any]], unit: str) -> RenderableType | None:
+    if not points:
+        return None
+    text = Text()
+    text.append("Where prompts part from earlier ones", "bold")
+    text.append(" (‖: the first token that differs)\n")
+    for p in points:
+        lo, hi = p["at_tokens"]
+        at = f"token {lo:,}" if lo == hi else f"tokens {lo:,}-{hi:,}"
+        where = f"in line {p['line']}, at {at}" if "line" in p else f"at {at}"
+        many = "request parts" if p["requests"] == 1 else "requests part"
+        text.append(f"  {p['requests']:,} {many} {where}")
+        text.append(f" (e.g. {unit} {p['example']} from {unit} {p['shared_with']})\n", "dim")
+        append_divergence_sides(text, p, "    ", 30)
+    text.rstrip()
+    return text
+
+
+def _changes(advice: dict[str, Any]) -> Text:
+    text = Text()
+    text.append("Changes, ranked by measured gain", "bold")
+    text.append(" (each a dry run of the change)\n")
+    if not advice["changes"]:
+        text.append("  none of the grid's changes raises the hit rate", "dim")
+        if advice.get("verdict"):
+            text.append(f"\n  {advice['verdict']}")
+        return text
+    now = advice["hit_rate"]
+    for i, c in enumerate(advice["changes"], 1):
+        text.append(f"  {i}. {c['change']}: ")
+        text.append(f"{_pct(now)} → {_pct(c['hit_rate'])}", "bold green")
+        text.append(f" ({_points(c['gain'])}, {c['tokens_saved']:,} more tokens from the cache)")
+        text.append("\n")
+    text.rstrip()
+    return text
+
+
+def _grid(rows: list[dict[str, Any]]) -> RenderableType:
+    table = Table(title="Every run", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table.add_column("run", min_width=22, no_wrap=True, overflow="ellipsis")
+    table.add_column("block", justify="right", no_wrap=True)
+    table.add_column("blocks", justify="right", no_wrap=True)
+    has_mode = any("prefix_match" in r for r in rows)
+    if has_mode:
+        table.add_column("match", no_wrap=True)
+    table.add_column("hit rate", justify="right", no_wrap=True, min_width=8)
+    table.add_column("gain", justify="right", no_wrap=True)
+    table.add_column("evictions", justify="right", no_wrap=True, min_width=9)
+    for r in rows:
+        cells = [r["label"], str(r["block_size"]), f"{r['num_blocks']:,}"]
+        if has_mode:
+            cells.append(r.get("prefix_match", "") if r["prefix_caching"] else "off")
+        gain = "" if r["kind"] == "now" else f"{r['gain'] * 100:+.1f}"
+        cells += [_pct(r["hit_rate"]), gain, f"{r['evictions']:,}"]
+        style = "bold" if r["kind"] == "now" else "dim" if r["kind"] == "bound" else None
+        table.add_row(*cells, style=style)
+    return table
+
+
+def _notes(notes: list[str]) -> Text:
+    text = Text()
+    text.append("Notes\n", "bold")
+    for note in notes:
+        text.append(f"  - {note}\n")
+    text.rstrip()
+    return text
