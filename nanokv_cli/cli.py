@@ -1505,6 +1505,7 @@ def inspect(
     block_size: Annotated[
         int, typer.Option(min=1, help="Tokens per block for --prompts.")
     ] = DEFAULT_BLOCK_SIZE,
+    prefix_match: PrefixMatchOpt = "token",
     model: Annotated[
         str | None,
         typer.Option(
@@ -1563,7 +1564,7 @@ def inspect(
         elif trace is not None:
             _inspect_trace(trace, step, json_out, list_all)
         else:
-            _inspect_prompts(prompts, fmt, block_size, model, chat, limit, json_out)
+            _inspect_prompts(prompts, fmt, block_size, prefix_match, model, chat, limit, json_out)
 
 
 # inspect --json lists this many blocks and sequences unless --all: a cache of 8,000 blocks
@@ -1677,6 +1678,7 @@ def _inspect_prompts(
     path: Path,
     fmt: str,
     block_size: int,
+    prefix_match: str,
     model: str | None,
     chat: bool,
     limit: int | None,
@@ -1693,7 +1695,12 @@ def _inspect_prompts(
             token_lists.append(list(tokens() if callable(tokens) else tokens))
         except ValueError as e:  # a synthesized prompt too long to make
             raise CliError(f"{pf.path} line {r.line}: {e}") from None
-    info = map_prompt_blocks(token_lists, block_size)
+    if prefix_match not in PREFIX_MATCH_MODES:
+        raise typer.BadParameter(
+            f"choose from {', '.join(PREFIX_MATCH_MODES)}, got {prefix_match!r}",
+            param_hint="--prefix-match",
+        )
+    info = map_prompt_blocks(token_lists, block_size, prefix_match)
     decode = None
     if encoder.loaded:
 

@@ -575,9 +575,17 @@ def test_inspect_prompts_gives_each_prompt_its_miss_reason(tmp_path, tokenizer_d
     info = json_of("inspect", "--prompts", path, "--block-size", "4")
     first, second = info["prompts"]
     assert first["miss_reason"] == "cold"
-    # Token-granular reuse copies the three shared tokens; whole blocks would miss them.
+    # Token-granular reuse copies the three shared tokens; whole blocks miss them.
     assert (second["miss_reason"], second["cached_tokens"]) == ("cold", 3)
     assert info["miss_tokens"] == {"cold": 7} and info["hit_tokens"] == 3
+    whole = json_of("inspect", "--prompts", path, "--block-size", "4", "--prefix-match", "block")
+    assert (whole["prompts"][1]["miss_reason"], whole["prompts"][1]["partial_tokens"]) == (
+        "partial",
+        3,
+    )
+    assert whole["miss_tokens"] == {"partial": 5, "cold": 5} and whole["hit_tokens"] == 0
+    bad = nanokv("inspect", "--prompts", path, "--prefix-match", "tokens")
+    assert bad.exit_code == 2 and "--prefix-match" in bad.output
 
 
 def test_inspect_summary_and_exports(recorded, tmp_path):
