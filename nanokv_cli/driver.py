@@ -33,7 +33,7 @@ from . import paths
 from .engine.config import EngineConfig
 from .engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
 from .engine.loader import load_tokenizer
-from .engine.replay import Request, all_at_once, at_rate
+from .engine.requests import Request, all_at_once, at_rate
 from .engine.sampling_params import SamplingParams
 from .prompts import PromptFile, PromptRequest
 

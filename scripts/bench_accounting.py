@@ -40,7 +40,17 @@ from nanokv_cli.engine.block_manager import BlockManager  # noqa: E402
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock  # noqa: E402
 from nanokv_cli.engine.llm_engine import LLMEngine  # noqa: E402
 from nanokv_cli.engine.mooncake import read_mooncake  # noqa: E402
-from nanokv_cli.engine.replay import Request, all_at_once, replay  # noqa: E402
+
+try:  # the one request loop, driver.Driver
+    from nanokv_cli.driver import Arrivals, Driver  # noqa: E402
+    from nanokv_cli.engine.requests import Request, all_at_once  # noqa: E402
+
+    def drive(engine, requests, clock):
+        return Driver(engine, clock).run(Arrivals(requests))
+
+except ImportError:  # --against a revision from before engine/requests.py: its replay loop
+    from nanokv_cli.engine.replay import Request, all_at_once  # noqa: E402
+    from nanokv_cli.engine.replay import replay as drive  # noqa: E402
 from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
 from nanokv_cli.engine.scheduler import Scheduler  # noqa: E402
 from nanokv_cli.engine.sequence import Sequence  # noqa: E402
@@ -178,7 +188,7 @@ def run_trace(num_blocks: int, at_once: bool, limit: int | None) -> dict:
         reqs = all_at_once(reqs)
     t0 = time.perf_counter()
     finished = steps = 0
-    for outs in replay(engine, reqs, clock):
+    for outs in drive(engine, reqs, clock):
         steps += 1
         finished += sum(o.finished for o in outs)
     wall = time.perf_counter() - t0

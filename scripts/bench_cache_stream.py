@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from nanokv_cli.cache_stream import CacheRecorder, CacheStream  # noqa: E402
 from nanokv_cli.cli import PromptEncoder, build_requests, dry_run_engine  # noqa: E402
+from nanokv_cli.driver import Arrivals, Driver  # noqa: E402
 from nanokv_cli.engine.config import EngineConfig  # noqa: E402
-from nanokv_cli.engine.replay import replay  # noqa: E402
 from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
 from nanokv_cli.prompts import read_prompts  # noqa: E402
 from nanokv_cli.report import RunStats  # noqa: E402
@@ -64,7 +64,7 @@ def run(
     steps = 0
     last = 0.0
     t0 = time.process_time()
-    for _ in replay(engine, requests, NoWait(engine)):
+    for _ in Driver(engine, NoWait(engine)).run(Arrivals(requests)):
         steps += 1
         if stream is not None:
             recorder.step_ended()  # as serve's engine loop calls it, after each step
@@ -90,7 +90,7 @@ def count_events(config: EngineConfig, requests: list) -> int:
         n[0] += 1
 
     engine.events.subscribe(listener)
-    for _ in replay(engine, requests, NoWait(engine)):
+    for _ in Driver(engine, NoWait(engine)).run(Arrivals(requests)):
         pass
     return n[0]
 

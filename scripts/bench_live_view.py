@@ -27,8 +27,9 @@ from pathlib import Path
 from rich.console import Console
 
 from nanokv_cli.cli import PromptEncoder, build_requests, dry_run_engine
+from nanokv_cli.driver import Arrivals, Driver
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.replay import Request, replay
+from nanokv_cli.engine.requests import Request
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.prompts import read_prompts
 from nanokv_cli.report import RunStats
@@ -81,7 +82,7 @@ def timed(make_engine: Callable, requests: list, mode: str) -> tuple[float, floa
         view.__enter__()
     busy0, wall0 = _machine_busy(), time.perf_counter()
     t0 = time.process_time()  # CPU time: less swayed by other processes on a shared machine
-    for _ in replay(engine, requests, clock):
+    for _ in Driver(engine, clock).run(Arrivals(requests)):
         if view is not None:
             view.tick()
     if view is not None:

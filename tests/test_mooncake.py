@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from nanokv_cli.driver import Arrivals, Driver
 from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.llm_engine import LLMEngine
@@ -15,7 +16,7 @@ from nanokv_cli.engine.mooncake import (
     read_mooncake,
     synthesize_tokens,
 )
-from nanokv_cli.engine.replay import Request, replay
+from nanokv_cli.engine.requests import Request
 from nanokv_cli.engine.sampling_params import SamplingParams
 
 TRACE = (
@@ -90,7 +91,7 @@ def test_dry_run_of_the_real_trace_slice_hits_the_shared_prefix():
         for r in trace
     ]
     done = {}
-    for step, outs in enumerate(replay(engine, reqs, clock)):
+    for step, outs in enumerate(Driver(engine, clock).run(Arrivals(reqs))):
         for out in outs:
             if out.finished:
                 done[out.seq_id] = out

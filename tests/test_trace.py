@@ -14,12 +14,13 @@ import msgspec
 import pytest
 
 import nanokv_cli.trace as trace_mod
+from nanokv_cli.driver import Arrivals, Driver
 from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
 from nanokv_cli.engine.events import CacheState, StepSnapshot, event_to_dict
 from nanokv_cli.engine.llm_engine import LLMEngine
 from nanokv_cli.engine.mooncake import SynthesizedPrompt
-from nanokv_cli.engine.replay import Request, all_at_once, replay
+from nanokv_cli.engine.requests import Request, all_at_once
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.trace import (
     TRACE_VERSION,
@@ -322,7 +323,7 @@ def test_synthesized_prompts_are_stored_as_their_recipe(tmp_path):
     eng.events.subscribe(seen.append)
     with TraceWriter(path, make_header(block_size=64, num_blocks=400, model=None)) as writer:
         eng.events.subscribe(writer)
-        for _ in replay(eng, all_at_once(requests), clock):
+        for _ in Driver(eng, clock).run(Arrivals(all_at_once(requests))):
             pass
     assert path.stat().st_size < 6 * 1800 * 4 / 4  # far below the raw tokens
     reader = TraceReader(path)
