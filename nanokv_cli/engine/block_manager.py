@@ -304,22 +304,21 @@ class BlockManager:
                 return True
         if not self._copies:
             return False
-        source, shared = self._copy_source(seq, i)
-        owner = self.blocks[source].owner if source != -1 else None
-        if owner is None or not owner.is_prefill:
-            return False
-        return shared - (owner.num_cached_tokens - self.blocks[source].start) >= MIN_WAIT_TOKENS
+        return self._gain_by_waiting(seq, i) >= MIN_WAIT_TOKENS
 
     def is_filling(self, seq: Sequence, i: int) -> bool:
         """Whether a sequence mid-prefill is still computing tokens of block ``i`` of ``seq``
         that the two share."""
+        return self._gain_by_waiting(seq, i) > 0
+
+    def _gain_by_waiting(self, seq: Sequence, i: int) -> int:
+        """The shared tokens of block ``i`` of ``seq`` that a sequence mid-prefill has yet to
+        compute: what waiting for it would add to a copy (0 if none is filling it)."""
         source, shared = self._copy_source(seq, i)
         owner = self.blocks[source].owner if source != -1 else None
-        return (
-            owner is not None
-            and owner.is_prefill
-            and owner.num_cached_tokens - self.blocks[source].start < shared
-        )
+        if owner is None or not owner.is_prefill:
+            return 0
+        return max(0, shared - (owner.num_cached_tokens - self.blocks[source].start))
 
     def _copy_source(self, seq: Sequence, i: int) -> tuple[int, int]:
         """The block that continues ``seq``'s prefix before its block ``i`` and the tokens of

@@ -112,43 +112,39 @@ class MissExplainer:
             step = self._evicted_at.get(h)
             if step is not None:
                 return "evicted", step, 0
-        known = self._known.get(_key(seq.block_hashes[k - 1] if k else -1, seq.token_ids[k * bs]))
-        if isinstance(known, int):
-            block_id = bm.hash_to_block_id.get(known)
-            if block_id is None:  # that continuation was registered, then evicted
-                return "evicted", self._evicted_at.get(known, -1), 0
-            known = bm.blocks[block_id].token_ids
-        if known is not None:
-            n = 0
-            for x, y in zip(seq.token_ids[k * bs : (k + 1) * bs], known):
-                if x != y:
-                    break
-                n += 1
-            if n > copied:  # shared more than could be copied: still being computed, or gone
-                if bm.is_filling(seq, k):
-                    return "in-flight", -1, 0
-                return "evicted", -1, 0
+        known = self._continuation(bm, seq, k)
+        if isinstance(known, int):  # that continuation was registered, then evicted
+            return "evicted", self._evicted_at.get(known, -1), 0
+        if (
+            known is not None
+            and _count_shared(seq.token_ids[k * bs : (k + 1) * bs], known) > copied
+        ):
+            # Shared more than could be copied: still being computed, or gone.
+            if bm.is_filling(seq, k):
+                return "in-flight", -1, 0
+            return "evicted", -1, 0
         return "cold", -1, 0
 
     def _shared_tokens(self, bm: _Books, seq: Sequence, k: int) -> int:
         """Tokens block ``k`` of ``seq`` has in common with the known continuation of the same
         parent prefix that starts with the same token (0 if there is none)."""
+        known = self._continuation(bm, seq, k)
+        if known is None or isinstance(known, int):
+            return 0  # none, or evicted since: its content is gone
         bs = self.block_size
-        tokens = seq.token_ids[k * bs : (k + 1) * bs]
-        known = self._known.get(_key(seq.block_hashes[k - 1] if k else -1, tokens[0]))
-        if known is None:
-            return 0
+        n = _count_shared(seq.token_ids[k * bs : (k + 1) * bs], known)
+        return n if n < bs else 0
+
+    def _continuation(self, bm: _Books, seq: Sequence, k: int):
+        """The known continuation of block ``k``'s parent prefix starting with its first token:
+        its tokens, the hash of a registered one since evicted (an int), or None."""
+        bs = self.block_size
+        known = self._known.get(_key(seq.block_hashes[k - 1] if k else -1, seq.token_ids[k * bs]))
         if isinstance(known, int):
             block_id = bm.hash_to_block_id.get(known)
-            if block_id is None:
-                return 0  # evicted since: its content is gone
-            known = bm.blocks[block_id].token_ids
-        n = 0
-        for x, y in zip(tokens, known):
-            if x != y:
-                break
-            n += 1
-        return n if n < bs else 0
+            if block_id is not None:
+                return bm.blocks[block_id].token_ids
+        return known
 
     # -- what happened -------------------------------------------------------------------------
 
@@ -215,3 +211,13 @@ def continuation_key(parent_hash: int, first_token: int) -> int:
 
 
 _key = continuation_key
+
+
+def _count_shared(a, b) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
