@@ -11,8 +11,8 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 from .engine.sampling_params import SamplingParams
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "__version__"]
 
 

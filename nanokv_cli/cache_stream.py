@@ -112,7 +112,8 @@ class CacheRecorder:
     engine thread apply them itself, and only if the lock is free at once: it never waits."""
 
     def __init__(self, num_blocks: int, max_pending: int = 1 << 16) -> None:
-        self.state = CacheState(num_blocks)
+        # The stream shows no tokens: its books keep none of every cached block's.
+        self.state = CacheState(num_blocks, keep_tokens=False)
         self.codes = bytearray(num_blocks)  # an engine starts with every block free
         self.changed: dict[int, int] = {}  # block -> code since ``take_changes``
         self.whole = False  # every code may have changed (AllBlocksCleared)
@@ -153,9 +154,6 @@ class CacheRecorder:
     def _apply_step(self, events: list[Event]) -> None:
         state, codes, changed = self.state, self.codes, self.changed
         others = state.apply_all(events)
-        # The stream shows no tokens: drop them rather than keep every cached block's.
-        state.block_tokens.clear()
-        state.prompts.clear()
         for e in others:
             t = type(e)
             if t is StepSnapshot:

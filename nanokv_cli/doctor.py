@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -9,10 +10,10 @@ from typing import Any
 
 from .engine import distributed
 from .engine.config import EngineConfig
-from .engine.cpu.quantize import check_quantization
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.loader import load_model
-from .engine.model_runner import ModelRunner, resolve_device
+from .engine.model_runner import ModelRunner
+from .engine.run_plan import RunPlan, resolve_machine
 from .engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -43,7 +44,7 @@ class LLM:
     so a sequence's greedy tokens do not depend on what shares its steps. Other models and devices run as ``"none"``. ``"int8"`` or
     ``"int4"`` quantize every layer (a file's 4-bit blocks stay 4-bit). None or ``"none"``
     computes in float32 end to end. After loading, ``quantization`` says what runs ("auto",
-    "int8", "int4" or None). See ``engine/cpu/quantize.py``.
+    "int8", "int4" or None). See ``engine/quantize.py``.
     """
 
     def __init__(
@@ -53,25 +54,24 @@ class LLM:
         size = config.tensor_parallel_size
         # Fails fast (before loading anything) when this process cannot host that many ranks.
         mode = distributed.parallel_mode(size)
-        # Checked before loading too, so a bad value or device fails at once.
-        quantization = check_quantization(config.quantization, resolve_device(config.device), size)
+        # Checked before loading too, so a bad value or device fails at once. Each rank of a
+        # tensor-parallel run resolves its own (its device).
+        machine = resolve_machine(config, tp_size=size)
         loaded = load_model(model)
-        # The file's own blocks (empty for safetensors): what the CPU formats take as they are.
-        weights, blocks = loaded.weights, loaded.blocks if quantization is not None else None
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.source
-        limit = self.config.max_position_embeddings
-        config = replace(config, max_model_len=config.model_len(limit), quantization=quantization)
-        self.engine_config = config
-        self.max_model_len = config.max_model_len
         self.tensor_parallel_size = size
         self.rank = 0  # tensor-parallel rank: only rank 0 schedules, samples and generates
         # The engine is not thread-safe: generate/stream calls take turns on it.
         self._stream_lock = threading.Lock()
         self._stream_thread: int | None = None
         if mode == "single":
-            self.model_runner = ModelRunner(self.config, weights, config, quantized_blocks=blocks)
+            plan = machine.for_model(loaded.config, config, loaded.blocks)
+            config = _resolved(config, plan)
+            self.model_runner = ModelRunner(
+                loaded.config, loaded.weights, config, quantized_blocks=loaded.blocks, plan=plan
+            )
             self.executor = self.model_runner
         else:
             rank = distributed.process_rank()
@@ -79,12 +79,16 @@ class LLM:
             if executor is None:  # a worker rank of a torchrun group: rank 0 has shut down
                 self.rank = rank
                 self.model_runner = self.executor = self.engine = None
+                self.engine_config, self.max_model_len = config, None
                 return
             self.executor = executor
             self.model_runner = executor.runner  # rank 0's shard
-        # What runs: "auto" falls back to None where the file has no blocks to take.
-        self.quantization = self.model_runner.quantization
-        del loaded, weights, blocks
+            config = _resolved(config, executor.runner.plan)
+        del loaded
+        # What runs: "auto" is None where the file has no blocks a CPU format holds.
+        self.quantization = self.model_runner.plan.quantization
+        self.engine_config = config
+        self.max_model_len = config.max_model_len
         self.engine = LLMEngine(self.executor, config, eos_token_ids=self.config.eos_token_ids)
 
     def shutdown(self) -> None:
@@ -141,21 +145,25 @@ class LLM:
                 self._stream_thread = None
 
     def _stream(self, prompts, sampling_params) -> Iterator[tuple[int, RequestOutput]]:
+        # Imported here: the driver imports the prompt-file reader, which LLM users never need.
+        from .driver import Arrivals, Driver, EngineClock, Request
+
         if isinstance(prompts, str):
             prompts = [prompts]
         params = _broadcast(sampling_params, len(prompts))
-        token_ids = [self.encode(p) for p in prompts]
-        index: dict[int, int] = {}
+        requests = [
+            Request(self.encode(p), sp, tag=i) for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
+        clock = EngineClock(self.engine)
+        # Every request admitted before the first step: a bad one raises before any work.
+        driver = Driver(self.engine, clock, max_waiting=math.inf)
         try:
-            for i, (ids, sp) in enumerate(zip(token_ids, params)):
-                index[self.engine.add_request(ids, sp)] = i
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    yield index[out.seq_id], out
+            for outputs in driver.run(Arrivals(requests, start=clock())):
+                for out in outputs:
+                    yield driver.requests[out.seq_id].tag, out
         finally:
             # An interrupted stream must not leave requests holding blocks in the engine.
-            for seq_id in index:
-                self.engine.abort_request(seq_id)
+            driver.abort_all()
 
     def generate(
         self,
@@ -181,6 +189,12 @@ class LLM:
             "ttft": out.first_token_time - out.arrival_time,
             "latency": out.finish_time - out.arrival_time,
         }
+
+
+def _resolved(config: EngineConfig, plan: RunPlan) -> EngineConfig:
+    """``config`` with what the plan resolved against the model: its length limit and the
+    quantization that runs."""
+    return replace(config, max_model_len=plan.max_model_len, quantization=plan.quantization)
 
 
 def _broadcast(

@@ -59,9 +59,17 @@ from bench_common import (  # noqa: E402
     sync,
     workdir,
 )
+from roofline import (  # noqa: E402
+    bound_tok_s,
+    decode_bytes,
+    kernel_peak_flops,
+    read_bandwidth,
+    step_flops,
+)
 
 from nanokv_cli import LLM, SamplingParams  # noqa: E402
-from nanokv_cli.engine.cpu.quantize import resident_weight_bytes  # noqa: E402
+from nanokv_cli.engine.cpu import kernels as cpu_kernels  # noqa: E402
+from nanokv_cli.engine.quantize import resident_weight_bytes  # noqa: E402
 
 PROMPT_TEXT = (
     "The history of computing is a story of memory. Early machines stored a few thousand words "
@@ -363,7 +371,9 @@ def main() -> None:
         for name, llm in llms.items():
             batched.setdefault(name, {})[size] = batched_decode_tok_s(llm, prompts, 32)
 
+    limits = roofline_of(llms, results, args) if args.device == "cpu" else None
     result = {
+        "roofline": limits,
         "benchmark": "decode",
         "device": args.device,
         "threads": threads,
@@ -380,6 +390,55 @@ def main() -> None:
         "batched_decode_tok_s": batched,
     }
     emit(result, args.json, report_lines(result))
+
+
+# Each quantization mode's weight format, for its compute peak.
+PEAK_FORMAT = {"auto": "q4", "int4": "q4", "int8": "q8", "none": "f32"}
+
+
+def roofline_of(
+    llms: dict[str, LLM], results: dict[str, dict[str, float]], args: argparse.Namespace
+) -> dict[str, Any] | None:
+    """Each nanokv mode's decode speed as a fraction of what this machine's read bandwidth
+    allows its bytes per token (measured here, after the runs, at the run's threads), and its
+    prefill as a fraction of its format's kernel peak."""
+    if not cpu_kernels.available():
+        return None
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth(threads)
+    out: dict[str, Any] = {"threads": threads, "read_bytes_per_s": bandwidth, "modes": {}}
+    context = args.prompt_len + args.max_tokens // 2  # the decode's mean position
+    for name, llm in llms.items():
+        mode = name.removeprefix("nanokv ")
+        peak = kernel_peak_flops(PEAK_FORMAT.get(mode, "f32"), threads)
+        step_bytes = decode_bytes(llm, context)
+        bound, binds = bound_tok_s(step_bytes, step_flops(llm, 1, context), bandwidth, peak, 1)
+        prefill = step_flops(llm, args.prompt_len, args.prompt_len // 2, logits_rows=1)
+        out["modes"][name] = {
+            "bytes_per_token": step_bytes,
+            "bound_tok_s": bound,
+            "binds": binds,
+            "decode_fraction": results[name]["decode_tok_s"] / bound,
+            "kernel_peak_flops": peak,
+            # TTFT is the prompt's prefill and one sampled token.
+            "prefill_fraction": prefill / results[name]["ttft_s"] / peak,
+        }
+    return out
+
+
+def roofline_lines(limits: dict[str, Any], prompt_len: int) -> list[str]:
+    lines = [
+        f"roofline: read {limits['read_bytes_per_s'] / 1e9:.1f} GB/s measured here at "
+        f"{limits['threads']} thread(s)"
+    ]
+    for name, m in limits["modes"].items():
+        lines.append(
+            f"{name:14s} reads {m['bytes_per_token'] / 1e6:.1f} MB/token: bound "
+            f"{m['bound_tok_s']:.1f} tok/s ({m['binds']}), decode at {m['decode_fraction']:.0%} "
+            f"of it; prefill of {prompt_len} at {m['prefill_fraction']:.0%} of the kernels' "
+            f"peak ({m['kernel_peak_flops'] / 1e9:.1f} GFLOP/s)"
+        )
+    return lines
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
@@ -407,6 +466,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     for name, sizes in result["batched_decode_tok_s"].items():
         cells = ", ".join(f"batch {b}: {v:.1f} tok/s" for b, v in sizes.items())
         lines.append(f"{name:14s} batched decode: {cells}")
+    if result["roofline"]:
+        lines += roofline_lines(result["roofline"], result["prompt_len"])
     return lines
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 from bench_common import (  # noqa: E402
     add_common_args,
     emit,
@@ -44,8 +45,15 @@ from bench_common import (  # noqa: E402
     timed,
     workdir,
 )
+from roofline import (  # noqa: E402
+    decode_bytes,
+    kernel_peak_flops,
+    read_bandwidth,
+    step_flops,
+)
 
 from nanokv_cli import LLM, SamplingParams  # noqa: E402
+from nanokv_cli.engine.cpu import kernels as cpu_kernels  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -152,10 +160,48 @@ def run_nanokv(args: argparse.Namespace, source, mode: str, prompts, max_tokens)
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(llm.model_runner.kv_cache_dtype).removeprefix("torch."),
         "quantization": llm.quantization or "none",
+        "roofline": workload_roofline(
+            llm, mode, prompts, max_tokens, seconds, llm.engine.num_steps - steps_before
+        ),
     }
 
 
-def run_transformers(args: argparse.Namespace, folder: str, dtype_name: str, prompts, max_tokens) -> dict:
+# Each quantization mode's weight format, for its compute peak.
+PEAK_FORMAT = {"auto": "q4", "int4": "q4", "int8": "q8", "none": "f32"}
+
+
+def workload_roofline(llm, mode, prompts, max_tokens, seconds, steps) -> dict | None:
+    """The run's time against the least this machine needs for it: every step reads the
+    weights once and each decode row its context's K/V (at the read bandwidth measured here),
+    and every prompt and output token costs its FLOPs (at the kernels' peak); the tighter of
+    the two binds."""
+    if not (cpu_kernels.available() and llm.model_runner.device.type == "cpu"):
+        return None
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth(threads)
+    peak = kernel_peak_flops(PEAK_FORMAT.get(mode, "f32"), threads)
+    weights = decode_bytes(llm, 0)
+    per_position = decode_bytes(llm, 1) - weights
+    kv_reads = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
+    flops = sum(
+        step_flops(llm, len(p), len(p) // 2, logits_rows=1) + step_flops(llm, n, len(p) + n // 2)
+        for p, n in zip(prompts, max_tokens)
+    )
+    memory_s = (steps * weights + kv_reads * per_position) / bandwidth
+    compute_s = flops / peak
+    bound = max(memory_s, compute_s)
+    return {
+        "read_bytes_per_s": bandwidth,
+        "kernel_peak_flops": peak,
+        "bound_seconds": bound,
+        "binds": "bandwidth" if memory_s >= compute_s else "compute",
+        "fraction": bound / seconds,
+    }
+
+
+def run_transformers(
+    args: argparse.Namespace, folder: str, dtype_name: str, prompts, max_tokens
+) -> dict:
     dtype = resolve_dtype_name(dtype_name, args.device)
     model = load_transformers(folder, dtype, args.device)
     n = min(args.hf_seqs, len(prompts))
@@ -190,9 +236,11 @@ def main() -> None:
         # transformers needs a Hugging Face folder; nanokv loads what the user named.
         source = folder if args.random_weights else args.model
         nano = {m: run_nanokv(args, source, m, prompts, max_tokens) for m in args.modes}
-        runs = [] if args.skip_hf else [
-            run_transformers(args, folder, d, prompts, max_tokens) for d in args.hf_dtypes
-        ]
+        runs = (
+            []
+            if args.skip_hf
+            else [run_transformers(args, folder, d, prompts, max_tokens) for d in args.hf_dtypes]
+        )
     hf = max(runs, key=lambda r: r["tok_s"]) if runs else None
     result = {
         "benchmark": "throughput",
@@ -219,6 +267,14 @@ def main() -> None:
             f"{r['tok_s']:8.1f} tok/s ({r['steps']} steps, {r['preemptions']} preemptions; "
             f"runs as {r['quantization']} on a {r['dtype']} model, {r['kv_cache_dtype']} K/V)"
         )
+        if r["roofline"]:
+            limit = r["roofline"]
+            lines.append(
+                f"  roofline: the run needs at least {limit['bound_seconds']:.2f} s "
+                f"({limit['binds']} binds: read {limit['read_bytes_per_s'] / 1e9:.1f} GB/s, "
+                f"kernel peak {limit['kernel_peak_flops'] / 1e9:.1f} GFLOP/s, measured here); "
+                f"it runs at {limit['fraction']:.0%} of that limit"
+            )
     for r in runs:
         lines.append(
             f"transformers {r['dtype']}: {r['output_tokens']:6d} tok in {r['seconds']:7.2f} s = "

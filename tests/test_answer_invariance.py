@@ -390,8 +390,8 @@ def test_every_kernel_variant_keeps_the_answers(variant):
     probe = "from nanokv_cli.engine.cpu import kernels; assert kernels.available()"
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=600)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", tests]
-        + [str(Path(__file__))],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider"]
+        + ["-k", tests, str(Path(__file__))],
         env=env,
         capture_output=True,
         text=True,

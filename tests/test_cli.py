@@ -602,7 +602,7 @@ def test_inspect_summary_and_exports(recorded, tmp_path):
 
 
 def test_inspect_lists_what_it_shows_and_all_with_all(recorded, monkeypatch):
-    import nanokv_cli.cli as cli_module
+    import nanokv_cli.commands.inspect as cli_module
     import nanokv_cli.views.inspect as inspect_view
 
     full = json_of("inspect", recorded, "--json", "--all")

@@ -10,8 +10,10 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from nanokv_cli.engine.cpu import kernels as cpu_kernels
 from nanokv_cli.engine.cpu.formats import FloatLinear
 from nanokv_cli.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from nanokv_cli.engine.model_runner import ModelRunner
+from nanokv_cli.engine.run_plan import resolve_plan
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
 
@@ -302,13 +305,13 @@ def test_runner_fast_paths_agree_with_the_torch_paths(qwen3, monkeypatch):
         return ModelRunner(config, weights, settings)
 
     fast = make()
-    assert fast.use_cpu_kernel and isinstance(fast.model.lm_head, FloatLinear)
+    assert fast.plan.cpu_kernels and isinstance(fast.model.lm_head, FloatLinear)
     prompts = [[(i * 7 + j * 3) % 250 + 3 for i in range(n)] for j, n in enumerate((1, 19, 40))]
     for batch in (prompts, prompts[1:2]):  # a batch, and one sequence (1-row matmuls)
         fast_tokens, fast_logits = greedy_run(fast, batch, 6)
         with without_fast_paths(monkeypatch):
             slow = make()
-            assert not slow.use_cpu_kernel and slow.fused_max_rows == 0
+            assert slow.plan.attention == "sdpa" and not slow.plan.fused_decoder
             slow_tokens, slow_logits = greedy_run(slow, batch, 6)
         assert fast_tokens == slow_tokens
         torch.testing.assert_close(fast_logits, slow_logits, atol=1e-5, rtol=0)
@@ -364,11 +367,10 @@ def test_replayed_decode_steps_compute_what_the_layers_compute(
         settings = EngineConfig(
             block_size=8, num_blocks=64, dtype="float32", device="cpu", quantization=quantization
         )
-        runner = ModelRunner(config, weights, settings)
-        assert runner.fused_max_rows >= 16
-        if not recorded:
-            runner.fused_max_rows = 0
-        return runner
+        plan = resolve_plan(config, settings)
+        assert plan.fused_decoder
+        # The layers' own path: the same runner, its plan's decoder unfused.
+        return ModelRunner(config, weights, settings, plan=replace(plan, fused_decoder=recorded))
 
     # Contexts crossing block edges (the tables widen); 1, 3 and 5 sequences (the kernels' row
     # tiles of 1-4), then fewer and fewer rows: replays of the program recorded on the first
@@ -430,3 +432,17 @@ def test_a_step_program_refuses_a_tensor_it_reads_but_neither_made_nor_was_given
     program = cpu_kernels.StepProgram(tape, [x], out, {weight.untyped_storage().data_ptr()})
     replayed = program.run(torch.empty(program.arena_bytes, dtype=torch.uint8), [x], 2, 0)
     assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_probe_folds_every_word_of_the_buffer(threads):
+    # The benchmarks' bandwidth probe (csrc/probe.c) must read all of it: its XOR fold is
+    # numpy's, for sizes that split unevenly over the threads' chunks.
+    for words in (1, 7, 1000, 12345):
+        buffer = torch.randint(-(2**62), 2**62, (words,), dtype=torch.int64)
+        expected = int(np.bitwise_xor.reduce(buffer.numpy())) & (2**64 - 1)
+        assert cpu_kernels.read_probe(buffer, threads) == expected
+        buffer[words // 2] ^= 1  # one changed bit anywhere changes the fold
+        assert cpu_kernels.read_probe(buffer, threads) == expected ^ 1
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.read_probe(torch.zeros(8, 8, dtype=torch.int64).t(), 1)

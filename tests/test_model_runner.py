@@ -7,6 +7,7 @@ mixed prefill/decode batches, preemption by recompute, and block sizes 1, 16 and
 
 import json
 import socket
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -16,11 +17,13 @@ from safetensors.torch import load_file
 from tiny_models import make_tiny_model
 
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
+from nanokv_cli.engine.cpu import kernels as cpu_kernels
 from nanokv_cli.engine.model_runner import (
     MIN_DECODE_GROUP,
     ModelRunner,
     resolve_dtype,
 )
+from nanokv_cli.engine.run_plan import resolve_plan
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
 
@@ -323,6 +326,27 @@ def test_dtype_resolution():
     assert resolve_dtype(torch.bfloat16, cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int7", cpu)
+
+
+def test_kv_cache_dtype_is_its_own_setting(models):
+    """The K/V dtype is decided by the plan from kv_cache_dtype, apart from the weights' dtype:
+    float16 K/V under float32 weights runs on the CPU kernels (which convert in hardware) and
+    still decodes transformers' tokens here; a K/V dtype no attention path can read is refused
+    before anything is built."""
+    if not cpu_kernels.half_cache_supported():
+        pytest.skip("this CPU has no F16C: the kernels keep float32 K/V")  # pragma: no cover
+    config, weights, folder = models("llama")
+    settings = EngineConfig(device="cpu", dtype="float32", quantization="none")
+    assert resolve_plan(config, settings).kv_cache_dtype == torch.float32  # none: float32
+    half = make_runner(config, weights, quantization="none", kv_cache_dtype="float16")
+    assert half.plan.kv_cache_dtype == half.kv_cache.dtype == torch.float16
+    assert half.plan.dtype == torch.float32
+    prompt = prompt_of(23, salt=5)
+    assert Driver(half).generate([prompt], 12) == [hf_greedy(folder, prompt, 12)]
+    with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' with float32 weights"):
+        resolve_plan(config, replace(settings, kv_cache_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_plan(config, replace(settings, kv_cache_dtype="int3"))
 
 
 # -- cache layout and sizing --------------------------------------------------------------------

@@ -33,13 +33,13 @@ from nanokv_cli import LLM, SamplingParams
 from nanokv_cli.cli import app
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
 from nanokv_cli.engine.cpu.formats import Q4, Q8, FloatLinear, PackedEmbedding, PackedLinear
-from nanokv_cli.engine.cpu.quantize import (
+from nanokv_cli.engine.layers.linear import LinearBase
+from nanokv_cli.engine.loader import default_model_path, load_model
+from nanokv_cli.engine.quantize import (
     check_quantization,
     parse_quantization,
     resident_weight_bytes,
 )
-from nanokv_cli.engine.layers.linear import LinearBase
-from nanokv_cli.engine.loader import default_model_path, load_model
 from nanokv_cli.engine.sequence import Sequence
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -152,7 +152,7 @@ def test_auto_is_the_default_and_holds_the_file_once(auto_llm, int4_llm):
     assert auto_llm.quantization == "auto"
     runner = auto_llm.model_runner
     model = runner.model
-    assert runner.fused_max_rows == float("inf")  # decode steps: one C program, any size
+    assert runner.plan.fused_decoder  # decode steps: one C program, any size
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     projections = [m for m in packed if m is not model.lm_head]
     assert len(projections) == 4 * len(model.model.layers)
@@ -244,7 +244,9 @@ def test_auto_decode_batches_round_as_single_tokens_do(monkeypatch):
 
 
 def test_int4_default_model_still_knows_paris(int4_llm):
-    out = int4_llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
+    out = int4_llm.generate(
+        ["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8)
+    )
     assert "Paris" in out[0]["text"]
 
 
@@ -400,7 +402,7 @@ def test_without_the_c_kernels_quantization_is_refused_and_auto_is_none(monkeypa
                 LLM("/no/such/model", quantization="int4")
             assert check_quantization("auto", "cpu") is None
             llm = LLM(kv_cache_memory=64 << 20)  # the default GGUF, default quantization
-            assert llm.quantization is None and llm.model_runner.fused_max_rows == 0
+            assert llm.quantization is None and not llm.model_runner.plan.fused_decoder
         finally:
             cpu_kernels._library.cache_clear()
 

@@ -63,8 +63,8 @@ def run_shared_prefix_workload(eng: LLMEngine, on_step=None) -> None:
 @pytest.fixture
 def small_records(monkeypatch):
     """Checkpoints every 3 steps and a record per step or two: every path gets exercised."""
-    monkeypatch.setattr(trace_mod, "CHECKPOINT_EVERY", 3)
-    monkeypatch.setattr(trace_mod, "FLUSH_STEPS", 2)
+    monkeypatch.setattr(trace_mod.writer, "CHECKPOINT_EVERY", 3)
+    monkeypatch.setattr(trace_mod.writer, "FLUSH_STEPS", 2)
 
 
 def record(tmp_path, on_step=None):
@@ -154,7 +154,7 @@ def test_prompt_tokens_are_stored_once(tmp_path):
 
 
 def test_every_step_is_on_disk_once_flushed(tmp_path, monkeypatch):
-    monkeypatch.setattr(trace_mod, "FLUSH_SECONDS", 0.0)  # a slow (model) step: flush each one
+    monkeypatch.setattr(trace_mod.writer, "FLUSH_SECONDS", 0.0)  # a slow (model) step: flush each one
     steps = []
 
     def check(path):

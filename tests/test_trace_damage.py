@@ -239,7 +239,7 @@ def test_a_record_of_five_million_events_is_refused_before_it_is_unpacked(tmp_pa
 def test_a_view_reads_at_most_its_budget_of_events(tmp_path, recorded, monkeypatch):
     path = write(tmp_path, recorded)
     budget = TraceReader(path).summary()["num_events"] - 1
-    monkeypatch.setattr(trace_mod, "MAX_VIEW_EVENTS", budget)
+    monkeypatch.setattr(trace_mod.budget, "MAX_VIEW_EVENTS", budget)
     reader = TraceReader(path)
     for view in (reader.summary, lambda: list(reader.events()), reader.summary):
         with pytest.raises(TraceError, match=f"past the {budget:,} events one view may read"):
@@ -611,3 +611,23 @@ def assert_clear(e: ValueError, path: Path) -> None:
     assert text and "\n" not in text and "()" not in text, text
     if isinstance(e, TraceError):
         assert str(path) in text, text
+
+
+def test_a_lost_prompt_record_is_one_message_not_a_wrong_divergence(tmp_path, recorded):
+    # A prompt record deleted whole leaves a file whose records all read; the requests it
+    # held look like rejected ones (no prompt), so a later request's divergence would quietly
+    # skip them. The events admit them: that is damage, said in one line.
+    records = read_records(recorded)
+    nth = index_of(records, b"P", 1)
+    lost_first, lost_last = records[nth][1], records[nth][2]
+    last = max(r[2] for r in records if r[0] == b"P")
+    path = write(tmp_path, pack(records[:nth] + records[nth + 1 :]))
+    reader = TraceReader(path)
+    assert explain_request(reader, lost_first - 1)["seq_id"] == lost_first - 1  # before it
+    with pytest.raises(TraceError, match=f"prompt of sequence {lost_first} is missing") as e:
+        explain_request(reader, last)
+    assert_clear(e.value, path)
+    # Undamaged, the same request's divergence is read (its earlier prompts are all there).
+    whole = TraceReader(write(tmp_path, recorded))
+    assert explain_request(whole, last)["divergence"] is not None
+    assert lost_last < last

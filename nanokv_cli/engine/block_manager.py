@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
+from .blocks import Block, FreeBlockQueue, common_prefix, same_tokens
+from .cache_stats import MISS_REASONS, CacheStats
 from .events import (
     AllBlocksCleared,
     BlockAllocated,
@@ -46,107 +45,18 @@ from .miss_reasons import MissExplainer, continuation_key
 from .sequence import Sequence
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+# Re-exported: the blocks, the free queue and the statistics have files of their own.
+__all__ = [
+    "MISS_REASONS",
+    "MIN_WAIT_TOKENS",
+    "PREFIX_MATCH_MODES",
+    "Block",
+    "BlockManager",
+    "CacheStats",
+    "FreeBlockQueue",
+]
 
 
-def _common_prefix(a, a_start: int, b, b_start: int, limit: int) -> int:
-    """How many of the ``limit`` tokens from ``a[a_start]`` and ``b[b_start]`` on agree."""
-    n = min(limit, len(a) - a_start, len(b) - b_start)
-    if n <= 0:
-        return 0
-    x, y = a[a_start : a_start + n], b[b_start : b_start + n]
-    if _same_tokens(x, y):
-        return n
-    for i, (p, q) in enumerate(zip(x, y)):
-        if p != q:
-            return i
-    return n
-
-
-def _same_tokens(a, b) -> bool:
-    if type(a) is type(b):
-        return a == b
-    return list(a) == list(b)  # a list and an int64 array: rare, compare element-wise
-
-
-class Block:
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash = -1
-        # A registered block's tokens; or, hash -1, the computed tokens of a partly filled
-        # last block its sequence left behind (a source for token-granular reuse).
-        self.token_ids: list[int] = []
-        # Token-granular reuse: the prefix this block's content continues (-1: none), its key
-        # in BlockManager._tails (0: not a source), and while a sequence is still filling it,
-        # that sequence and the block's first position in it.
-        self.parent = -1
-        self.tail_key = 0
-        self.owner: Sequence | None = None
-        self.start = 0
-
-    def update(self, hash: int, token_ids: list[int]) -> None:
-        self.hash = hash
-        self.token_ids = token_ids
-        self.owner = None  # full now: its content is token_ids
-
-    def reset(self) -> None:
-        self.ref_count = 1
-        self.hash = -1
-        self.token_ids = []
-        self.owner = None
-
-    def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref_count={self.ref_count}, hash={self.hash})"
-
-
-class FreeBlockQueue:
-    """FIFO of free block ids with O(1) removal from the middle.
-
-    A prefix-cache hit on a free block ("revival") must take it out wherever it sits; nano-vllm's
-    ``deque.remove`` makes that O(n). An OrderedDict is a C-level doubly linked list keyed by id.
-    """
-
-    def __init__(self, block_ids: range | list[int]) -> None:
-        self._queue: OrderedDict[int, None] = OrderedDict.fromkeys(block_ids)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._queue)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._queue
-
-    def __repr__(self) -> str:
-        return f"FreeBlockQueue({list(self._queue)})"
-
-    def head(self) -> int:
-        return next(iter(self._queue))
-
-    def popleft(self) -> int:
-        return self._queue.popitem(last=False)[0]
-
-    def append(self, block_id: int) -> None:
-        self._queue[block_id] = None
-
-    def remove(self, block_id: int) -> None:
-        del self._queue[block_id]
-
-
-# Why a prompt lookup missed, in the order the reasons are tested (the first that applies).
-# ``last-block`` and ``partial`` arise under whole-block reuse only, ``last-token`` under
-# token-granular reuse only (miss_reasons.py).
-MISS_REASONS = (
-    "disabled",
-    "preempted",
-    "last-block",
-    "last-token",
-    "in-flight",
-    "evicted",
-    "partial",
-    "cold",
-)
 # A follower waits a step for a prompt block another sequence is filling only when it would
 # copy at least this many tokens more by waiting: a few tokens cost less to compute than a
 # step's delay to the follower's first token.
@@ -154,47 +64,6 @@ MIN_WAIT_TOKENS = 16
 # How far reuse reaches: "token" (the shared tokens of a prompt's first block past its
 # full-block hits are copied) or "block" (whole blocks only, the seed's semantics).
 PREFIX_MATCH_MODES = ("token", "block")
-
-
-@dataclass
-class CacheStats:
-    """Prefix-cache statistics, counted in tokens like vLLM (blocks x block_size).
-
-    ``queries``/``hits`` count each request's *first* admission only: that is the hit rate
-    everywhere nanokv prints one (vLLM's ``prefix_cache_hits / prefix_cache_queries``). A
-    sequence preempted and admitted again looks its tokens up again; those lookups go to the
-    ``readmission_*`` counters, so recomputation never inflates the headline.
-    ``miss_tokens`` splits every missed token, first admissions and re-admissions alike, by
-    reason (``MISS_REASONS``): ``sum(miss_tokens.values()) == misses + readmission_misses``.
-    """
-
-    queries: int = 0  # prompt tokens looked up at first admission
-    shared_hits: int = 0  # ...served by blocks other sequences were using
-    revived_hits: int = 0  # ...served by free blocks that still held their hash
-    copied_hits: int = 0  # ...whose K/V were copied from a block sharing their first tokens
-    readmission_queries: int = 0  # tokens looked up again after a preemption
-    readmission_shared_hits: int = 0
-    readmission_revived_hits: int = 0
-    readmission_copied_hits: int = 0
-    evictions: int = 0  # cached blocks reused for new data (their hash left the cache)
-    preemptions: int = 0
-    miss_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
-
-    @property
-    def hits(self) -> int:
-        return self.shared_hits + self.revived_hits + self.copied_hits
-
-    @property
-    def readmission_hits(self) -> int:
-        return (
-            self.readmission_shared_hits
-            + self.readmission_revived_hits
-            + self.readmission_copied_hits
-        )
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class BlockManager:
@@ -265,7 +134,7 @@ class BlockManager:
         """Physical block holding logical block ``i`` of ``seq`` in the prefix cache, or -1."""
         block_id = self.hash_to_block_id.get(self._block_hash(seq, i), -1)
         # A hash match alone is not proof: verify the tokens (xxh64 can collide).
-        if block_id != -1 and not _same_tokens(self.blocks[block_id].token_ids, seq.block(i)):
+        if block_id != -1 and not same_tokens(self.blocks[block_id].token_ids, seq.block(i)):
             return -1
         return block_id
 
@@ -336,7 +205,7 @@ class BlockManager:
         block = self.blocks[source]
         theirs = block.token_ids if block.owner is None else block.owner.token_ids
         offset = 0 if block.owner is None else block.start
-        n = _common_prefix(theirs, offset, seq.token_ids, start, limit)
+        n = common_prefix(theirs, offset, seq.token_ids, start, limit)
         return (source, n) if n else (-1, 0)
 
     def _copyable(self, seq: Sequence, i: int) -> tuple[int, int]:

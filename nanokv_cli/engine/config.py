@@ -3,6 +3,7 @@ engine runs it (``EngineConfig``, passed once from ``LLM`` or the CLI down to ev
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
@@ -224,6 +225,42 @@ def _check_rope_scaling(scaling: Any) -> None:
         )
 
 
+def _flag(flag: str, help: str, **more: Any) -> dict[str, Any]:
+    """A setting's command-line flag, as field metadata: the CLI offers every field that has
+    one to the commands that run the engine (commands/engine_options.py); the engine reads
+    none of it. Besides ``help``: ``min`` (the least number), ``choices``, ``metavar``,
+    ``parse`` (the flag's text -> the value, raising ValueError with the reason) and
+    ``default_help`` (the default as the help shows it, where the field's says nothing).
+    A bool setting's flag turns its default around."""
+    return {"flag": flag, "help": help, **more}
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+PREFIX_MATCH_MODES = ("token", "block")  # block_manager.PREFIX_MATCH_MODES
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"``, ``"2GB"``, ``"1.5g"``, ``"1048576"`` -> bytes; ValueError otherwise."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"expected a size such as 512MiB or 2GB, got {text!r}")
+    number, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
+    power = "kmgt".index(unit) + 1 if unit else 0
+    size = int(number * (1024 if binary or not unit else 1000) ** power)
+    if size <= 0:
+        raise ValueError(f"the size must be positive, got {text!r}")
+    return size
+
+
+def parse_device(text: str) -> str:
+    if not _DEVICE.match(text):
+        raise ValueError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine setting, with its one default. ``LLM`` and the CLI build one; the engine,
@@ -231,36 +268,133 @@ class EngineConfig:
 
     Frozen: one object is shared by every part (and pickled to worker ranks); derive a variant
     with ``dataclasses.replace``. No torch here: dry runs and ``inspect`` import this too.
+    A field with ``_flag`` metadata is a flag of every command that runs the engine.
     """
 
     # -- KV cache
-    block_size: int = 256  # tokens per KV block
-    num_blocks: int | None = None  # None: sized from kv_cache_memory, else from free memory
-    kv_cache_memory: int | None = None  # bytes per rank; None: a share of available memory
+    block_size: int = field(
+        default=256, metadata=_flag("--block-size", "Tokens per KV block.", min=1)
+    )
+    # None: sized from kv_cache_memory, else from free memory
+    num_blocks: int | None = field(
+        default=None, metadata=_flag("--num-blocks", "KV cache size in blocks.", min=1)
+    )
+    # bytes per rank; None: a share of available memory
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--kv-cache-memory",
+            "KV cache size as memory, e.g. 512MiB or 2GB (instead of --num-blocks).",
+            parse=parse_size,
+        ),
+    )
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction to fill
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_flag("--no-prefix-cache", "Turn prefix caching off.")
+    )
     # "token": past the last full-block hit, the shared leading tokens of the next block are
     # copied from a cached block continuing the same prefix; "block": whole blocks only (the
-    # seed's semantics). block_manager.PREFIX_MATCH_MODES.
-    prefix_match: str = "token"
+    # seed's semantics).
+    prefix_match: str = field(
+        default="token",
+        metadata=_flag(
+            "--prefix-match",
+            "How far prefix reuse reaches: token (past the last whole cached block, the leading "
+            "tokens shared with a cached block are copied) or block (whole blocks only, the "
+            "seed's accounting).",
+            choices=PREFIX_MATCH_MODES,
+            metavar="token|block",
+        ),
+    )
     # -- scheduling
-    max_num_seqs: int = 256  # most sequences per step
+    max_num_seqs: int = field(
+        default=256, metadata=_flag("--max-num-seqs", "Most sequences per step.", min=1)
+    )
     # Token budget per step (chunked prefill): LLM's and the CLI's model runs used 4096 before
     # this config (only dry runs took the engine's 8192).
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None  # None: the model's own limit (see model_len)
+    max_num_batched_tokens: int = field(
+        default=4096,
+        metadata=_flag(
+            "--max-num-batched-tokens", "Token budget per step (chunked prefill).", min=1
+        ),
+    )
+    # None: the model's own limit (see model_len)
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_flag("--max-model-len", "Longest prompt + output allowed.", min=1),
+    )
     # While sequences decode, a step takes only the prompt tokens that keep it under this
     # many milliseconds, at the costs measured as the run goes (step_budget.py); None or 0:
     # up to max_num_batched_tokens (a throughput run: nobody is waiting for each token).
-    step_latency_target_ms: float | None = None
+    step_latency_target_ms: float | None = field(
+        default=None,
+        metadata=_flag(
+            "--step-latency-target-ms",
+            "While sequences decode, a step takes only the prompt tokens that keep it under "
+            "this many milliseconds (at costs measured as the run goes), so streams never "
+            "freeze behind a burst of prompts; 0: up to the token budget.",
+            min=0,
+            default_help="off",
+        ),
+    )
     # -- model execution
-    dtype: str | None = None  # None or "auto": float32 on CPU, bfloat16/float16 on CUDA
-    device: str | None = None  # None: cuda if available, else cpu
+    # None or "auto": float32 on CPU, bfloat16/float16 on CUDA
+    dtype: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--dtype",
+            f"Weights and KV dtype: {', '.join(DTYPES)}.",
+            choices=DTYPES,
+            default_help="auto: float32 on CPU, bfloat16 (else float16) on CUDA",
+        ),
+    )
+    device: str | None = field(  # None: cuda if available, else cpu
+        default=None,
+        metadata=_flag(
+            "--device", "cpu, cuda or cuda:N.", parse=parse_device, default_help="cuda if available"
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "--kv-cache-dtype",
+            "K/V dtype: auto (float16 under --quantization auto on the CPU kernels, as "
+            "llama.cpp; else the weights' dtype), float32, bfloat16 or float16.",
+            choices=DTYPES,
+        ),
+    )
     enforce_eager: bool = False  # CUDA: no graph capture
-    tensor_parallel_size: int = 1
-    quantization: str | None = "auto"  # "auto", "none"/None, "int8", "int4": see quantize.py
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_flag(
+            "--tensor-parallel-size",
+            "Split the model over N processes (tensor parallelism): gloo on CPU, NCCL with one "
+            "GPU per rank. Heads, KV heads and vocabulary must divide by N (SmolLM2-135M: 3).",
+            min=1,
+        ),
+    )
+    # "auto", "none"/None, "int8", "int4": see quantize.py
+    quantization: str | None = field(
+        default="auto",
+        metadata=_flag(
+            "--quantization",
+            "Quantized weights on CPU. auto: a GGUF's own Q4/Q8 blocks, held once, serve every "
+            "step (~6x faster single-stream decoding than float32, the file's size in memory); "
+            "K/V in float16 (as llama.cpp); none: float32 only; int8, int4: every layer "
+            "quantized at load.",
+            choices=QUANTIZATIONS,
+        ),
+    )
     # CPU threads of torch and the C kernels, per rank; None: thread_count's default.
-    threads: int | None = None
+    threads: int | None = field(
+        default=None,
+        metadata=_flag(
+            "--threads",
+            "CPU threads for the model (per rank with --tensor-parallel-size).",
+            min=1,
+            default_help="the CPUs this process may run on",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -278,7 +412,7 @@ class EngineConfig:
                 f"threads={self.threads}: this process may run on {cpus} CPU"
                 f"{'s' if cpus != 1 else ''} (its affinity mask); use at most {cpus}"
             )
-        if self.prefix_match not in ("token", "block"):  # block_manager.PREFIX_MATCH_MODES
+        if self.prefix_match not in PREFIX_MATCH_MODES:
             raise ValueError(f"prefix_match must be 'token' or 'block', got {self.prefix_match!r}")
         target = self.step_latency_target_ms
         if target is not None and (

@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .gguf_file import QuantizedTensor, check_dequantizable, dequantize, read_gguf
-from .loaded_model import checked_tokenizer, merge_eos_ids, model_config
+from .loaded_model import merge_eos_ids, model_config, tokenizer_errors
 from .model_errors import ModelLoadError, UnsupportedArchitectureError
 from .tokenizer import Tokenizer
 from .weight_names import (
@@ -98,7 +98,8 @@ def open_gguf_model(path: Path) -> GGUFModel:
         raise UnsupportedArchitectureError(
             f"{path}: unsupported GGUF architecture {arch!r} (supported: {supported})"
         )
-    tokenizer = checked_tokenizer(lambda: Tokenizer.from_gguf_metadata(meta), path)
+    with tokenizer_errors(path):
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
     hf_config = _hf_config_from_gguf(meta, arch, gguf.tensors, tokenizer, path)
     config = model_config(hf_config, path, arch)
     merge_eos_ids(config, tokenizer, [])

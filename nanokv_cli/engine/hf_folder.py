@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .loaded_model import LoadedModel, checked_tokenizer, merge_eos_ids, model_config
+from .loaded_model import LoadedModel, merge_eos_ids, model_config, tokenizer_errors
 from .model_errors import ModelLoadError
 from .tokenizer import Tokenizer
 from .weight_names import check_weights, expected_shapes
@@ -36,7 +36,8 @@ def load_hf_folder(folder: Path) -> LoadedModel:
             "use the unquantized weights or a GGUF file"
         )
     config = model_config(hf_config, folder)
-    tokenizer = checked_tokenizer(lambda: Tokenizer.from_hf_folder(folder), folder)
+    with tokenizer_errors(folder):
+        tokenizer = Tokenizer.from_hf_folder(folder)
     merge_eos_ids(config, tokenizer, _generation_eos_ids(folder))
     weights = _read_safetensors_folder(folder, expected_shapes(config))
     return LoadedModel(config, weights, tokenizer, source=str(folder))
@@ -44,7 +45,8 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 
 def folder_tokenizer(folder: Path) -> Tokenizer:
     """The tokenizer `load_hf_folder` gives, with its EOS ids, without reading weights."""
-    tokenizer = checked_tokenizer(lambda: Tokenizer.from_hf_folder(folder), folder)
+    with tokenizer_errors(folder):
+        tokenizer = Tokenizer.from_hf_folder(folder)
     config_eos = _read_json_file(folder / "config.json", what=None).get("eos_token_id")
     eos_ids = [*_as_id_list(config_eos), *_generation_eos_ids(folder), *tokenizer.eos_token_ids]
     tokenizer.eos_token_ids = list(dict.fromkeys(eos_ids))

@@ -3,7 +3,8 @@ validated with errors that name the key, the tokenizer built, EOS ids merged."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,10 +59,11 @@ def model_config(
         ) from exc
 
 
-def checked_tokenizer(build: Callable[[], Tokenizer], where: Path) -> Tokenizer:
-    """`build()`, its TokenizerError reported as a ModelLoadError naming `where`."""
+@contextmanager
+def tokenizer_errors(where: Path) -> Iterator[None]:
+    """A TokenizerError inside reported as a ModelLoadError naming `where`."""
     try:
-        return build()
+        yield
     except TokenizerError as exc:
         raise ModelLoadError(f"{where}: {exc}") from exc
 

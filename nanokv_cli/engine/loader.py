@@ -41,7 +41,7 @@ from .gguf_file import (
 )
 from .gguf_model import GGUFModel, open_gguf_model
 from .hf_folder import PICKLE_SUFFIXES, folder_tokenizer, load_hf_folder
-from .loaded_model import LoadedModel, checked_tokenizer
+from .loaded_model import LoadedModel, tokenizer_errors
 from .model_errors import ModelLoadError, UnsupportedArchitectureError
 from .tokenizer import Tokenizer
 from .weight_names import expected_shapes
@@ -134,7 +134,8 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     if not is_gguf(model_path):
         _refuse_file(model_path)
     meta = read_gguf(model_path).metadata
-    return checked_tokenizer(lambda: Tokenizer.from_gguf_metadata(meta), model_path)
+    with tokenizer_errors(model_path):
+        return Tokenizer.from_gguf_metadata(meta)
 
 
 def load_gguf_quantized(

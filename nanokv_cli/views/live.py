@@ -1,15 +1,15 @@
 """The live view: block map, counters, sequences and streamed text, redrawn while the engine runs.
 
-Its event listener applies each event as it arrives to the few books a frame reads (ref counts,
-hashes and block tables in a ``CacheState``, prompt lengths, hit counts, the last snapshot) and
-keeps no event. Keeping them for a batch costs more than applying them: a dry run emits a few
-hundred thousand a second, and events that are still alive when the garbage collector runs
-make it run more often and promote them, so whole-heap collections follow
-(``scripts/BENCHMARKS.md``, "Live view cost"). The driver calls ``tick()`` once per step, and a
-frame is drawn only when one is due: at most ``max_fps`` a second, and never more often than
-keeps drawing under ``budget`` (default 2%) of the elapsed time, however slow a frame is on
-this terminal (~2.5 ms at 120x40, so about 8 frames a second). ``scripts/bench_live_view.py``
-measures what the view costs a replay.
+Its event listener is a ``CacheState``'s (the one applier of events to ref counts, hashes and
+block tables), with the view's own few books (prompt lengths, hit counts, the last snapshot)
+kept by the hook it hands the rest of the events to; it keeps no event. Keeping them for a
+batch costs more than applying them: a dry run emits a few hundred thousand a second, and
+events that are still alive when the garbage collector runs make it run more often and
+promote them, so whole-heap collections follow (``scripts/BENCHMARKS.md``, "Live view cost").
+The driver calls ``tick()`` once per step, and a frame is drawn only when one is due: at most
+``max_fps`` a second, and never more often than keeps drawing under ``budget`` (default 2%) of
+the elapsed time, however slow a frame is on this terminal (~2.5 ms at 120x40, so about 8
+frames a second). ``scripts/bench_live_view.py`` measures what the view costs a replay.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -26,12 +26,6 @@ from rich.text import Span, Text
 
 from ..engine.block_manager import MISS_REASONS
 from ..engine.events import (
-    AllBlocksCleared,
-    BlockAllocated,
-    BlockFreed,
-    BlockHit,
-    BlockRemoved,
-    BlockStored,
     CacheLookup,
     CacheState,
     Event,
@@ -69,7 +63,7 @@ class LiveView:
         self.budget = budget
         self.max_seq_rows = max_seq_rows
         # Ref counts, hashes and block tables only: the view keeps no block tokens or prompts.
-        self.state = CacheState(num_blocks)
+        self.state = CacheState(num_blocks, keep_tokens=False)
         self.snapshot: StepSnapshot | None = None
         self.prompt_len: dict[int, int] = {}
         self.hit_blocks: dict[int, int] = {}  # prefix-cache hits at the current admission
@@ -92,61 +86,27 @@ class LiveView:
         return events.subscribe(self.on_event)
 
     def _make_listener(self) -> Callable[[Event], None]:
-        """The listener: ``send`` of a generator that applies each event to the books (a
-        generator's locals stay put between events, where a closure copies its variables into
-        every call). The per-block events, ~97% of a dry run's, are tested first. After every
-        step the ref counts, hashes and block tables equal ``CacheState.apply_all``'s of the
-        same events (``tests/test_views.py`` checks it step by step). Call it from the thread
-        that steps the engine."""
-        listener = self._apply_events()
-        next(listener)  # run to the first ``yield``
-        return listener.send
+        """The listener: the state's own applier (per-block events, ~97% of a dry run's, go
+        no further), which hands every other event to ``_track``. Call it from the thread that
+        steps the engine."""
+        return self.state.listener(self._track)
 
-    def _apply_events(self) -> Generator[None, Event, None]:
-        state = self.state
-        ref_count, block_hash, tables = state.ref_count, state.block_hash, state.block_tables
-        prompt_len, hit_blocks = self.prompt_len, self.hit_blocks
-        # The hot names as locals (a generator's stay put): globals cost a lookup per event.
-        type_of, drop_table = type, tables.pop
-        Freed, Allocated, Stored, Removed = BlockFreed, BlockAllocated, BlockStored, BlockRemoved
-        while True:
-            event = yield
-            t = type_of(event)
-            if t is Freed:
-                ref_count[event.block_id] = event.ref_count
-                # Blocks are freed only by deallocate(), a whole table at a time (SPEC 2), and
-                # frames are drawn between steps: the first one ends the sequence's table.
-                drop_table(event.seq_id, None)
-            elif t is Allocated:
-                b = event.block_id
-                ref_count[b] = 1
-                block_hash[b] = -1
-                try:  # cheaper than tables.get() here: a sequence's first block is the rare case
-                    tables[event.seq_id].append(b)
-                except KeyError:
-                    tables[event.seq_id] = [b]
-            elif t is Stored:
-                block_hash[event.block_id] = event.block_hash
-            elif t is Removed:
-                block_hash[event.block_id] = -1
-            elif t is StepSnapshot:
-                self.snapshot = state.last_snapshot = event
-                self.tokens_total += event.num_prefill_tokens + event.num_decode_tokens
-            elif t is BlockHit:
-                ref_count[event.block_id] += 1
-                tables.setdefault(event.seq_id, []).append(event.block_id)
-            elif t is CacheLookup:
-                hit_blocks[event.seq_id] = event.num_hit_tokens // self.block_size
-            elif t is SequenceAdded:
-                prompt_len[event.seq_id] = len(event.prompt_token_ids)
-            elif t is SequenceFinished:
-                self.num_finished += 1
-                prompt_len.pop(event.seq_id, None)
-                hit_blocks.pop(event.seq_id, None)
-            elif t is SequencePreempted:
-                hit_blocks.pop(event.seq_id, None)
-            elif t is AllBlocksCleared:
-                block_hash[:] = [-1] * state.num_blocks
+    def _track(self, event: Event) -> None:
+        """The view's own books, from the events that are not per-block (after the state's)."""
+        t = type(event)
+        if t is StepSnapshot:
+            self.snapshot = event
+            self.tokens_total += event.num_prefill_tokens + event.num_decode_tokens
+        elif t is CacheLookup:
+            self.hit_blocks[event.seq_id] = event.num_hit_tokens // self.block_size
+        elif t is SequenceAdded:
+            self.prompt_len[event.seq_id] = len(event.prompt_token_ids)
+        elif t is SequenceFinished:
+            self.num_finished += 1
+            self.prompt_len.pop(event.seq_id, None)
+            self.hit_blocks.pop(event.seq_id, None)
+        elif t is SequencePreempted:
+            self.hit_blocks.pop(event.seq_id, None)
 
     def tick(self) -> None:
         """Call once per engine step: draws a frame when one is due."""

@@ -7,9 +7,11 @@ shared between an AVX2-only EPYC and an AVX-512 Xeon holds one library for each 
 meets the other's code.
 
 A library's file name is a digest of everything that decides its code: the sources, the
-compiler (its path and ``--version``), the flags and the CPU features the variant uses. A
-library is used only after it loads and exports every kernel the caller needs; a cached file
-that does not (an empty or truncated build, an older nanokv's) is rebuilt, never trusted.
+header generated from ``contract.py`` (written beside them at each build), the compiler (its
+path and ``--version``), the flags and the CPU features the variant uses. A library is used
+only after it loads, exports every kernel the caller needs and reports the contract this
+process was given (``contract.contract_id``); a cached file that does not (an empty or
+truncated build, an older nanokv's, one built from another table) is rebuilt, never trusted.
 
 ``NANOKV_CPU_ISA`` forces a variant (``generic``, ``avx2``, ``avx512``, any case): that is how
 the test suite runs the plain-C and AVX2 paths on an AVX-512 machine. Asking for a variant this
@@ -31,6 +33,8 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+from . import contract
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 ISA_VARIABLE = "NANOKV_CPU_ISA"
@@ -177,13 +181,16 @@ def sources() -> list[Path]:
     return found
 
 
-def library_path(variant: IsaVariant, compiler: str) -> Path:
-    """Where ``variant``'s library built by ``compiler`` lives in the cache."""
+def library_path(variant: IsaVariant, compiler: str, header: str | None = None) -> Path:
+    """Where ``variant``'s library built by ``compiler`` (against ``header``, by default
+    ``contract.header()``) lives in the cache."""
     from ..cache_dir import default_cache_dir
 
     digest = hashlib.sha256()
     for source in sources():
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+    generated = contract.header() if header is None else header
+    digest.update(contract.HEADER_NAME.encode() + b"\0" + generated.encode() + b"\0")
     features = sorted(variant.requires & cpu_features())
     identity = (
         platform.machine(),
@@ -237,35 +244,57 @@ def _load(variant: IsaVariant, symbols: tuple[str, ...]) -> tuple[ctypes.CDLL, P
         raise KernelBuildError(f"no C compiler ({where}): install gcc, or set CC to one")
     path = library_path(variant, compiler)
     if path.is_file():
-        lib, _ = _open(path, symbols)
+        lib, _ = open_library(path, symbols, contract.contract_id())
         if lib is not None:
             return lib, path, False
         path.unlink(missing_ok=True)  # empty, truncated or foreign: rebuilt below
-    return _build(variant, compiler, path, symbols), path, True
+    return build_library(variant, compiler, path, symbols), path, True
 
 
-def _open(path: Path, symbols: tuple[str, ...]) -> tuple[ctypes.CDLL | None, list[str]]:
-    """``path`` loaded if it loads and exports every symbol, else None and the symbols it lacks
-    (unloaded, so that a rebuild at the same path is not served the old handle)."""
+def open_library(
+    path: Path, symbols: tuple[str, ...], contract_id: str
+) -> tuple[ctypes.CDLL | None, list[str]]:
+    """``path`` loaded if it loads, exports every symbol and was built from the contract
+    ``contract_id``, else None and what it lacks (unloaded, so that a rebuild at the same path
+    is not served the old handle)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError:
         return None, list(symbols)
     absent = [name for name in symbols if not hasattr(lib, name)]
     if not absent:
-        return lib, []
+        reported = getattr(lib, contract.CONTRACT_SYMBOL, None)
+        if reported is None:
+            absent = [contract.CONTRACT_SYMBOL]
+        else:
+            reported.argtypes, reported.restype = [], ctypes.c_char_p
+            if reported() == contract_id.encode():
+                return lib, []
+            absent = [f"contract {contract_id} (it was built from {reported().decode()!r})"]
     import _ctypes
 
     _ctypes.dlclose(lib._handle)
     return None, absent
 
 
-def _build(variant: IsaVariant, compiler: str, path: Path, symbols: tuple[str, ...]) -> ctypes.CDLL:
+def build_library(
+    variant: IsaVariant,
+    compiler: str,
+    path: Path,
+    symbols: tuple[str, ...],
+    entries: tuple[contract.EntryPoint, ...] = contract.ENTRY_POINTS,
+) -> ctypes.CDLL:
+    """Compile ``variant``'s library into ``path`` against the header of ``entries`` (the
+    contract table), loaded and checked."""
     path.parent.mkdir(parents=True, exist_ok=True)
     c_files = [str(s) for s in sources() if s.suffix == ".c"]
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        # Generated beside the build, never into the package (which may be read-only): the
+        # sources find it on the include path.
+        (Path(tmp) / contract.HEADER_NAME).write_text(contract.header(entries))
         built = Path(tmp) / path.name
-        command = [compiler, *variant.flags, *_COMMON_FLAGS, "-o", str(built), *c_files, "-lm"]
+        flags = [*variant.flags, *_COMMON_FLAGS, f"-I{tmp}"]
+        command = [compiler, *flags, "-o", str(built), *c_files, "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             lines = result.stderr.strip().splitlines() or ["no message"]
@@ -276,7 +305,7 @@ def _build(variant: IsaVariant, compiler: str, path: Path, symbols: tuple[str, .
             )
         # Loaded under its temporary name, checked, then moved into place (atomic: a
         # concurrent build just wins or loses): the cache never holds a library that fails.
-        lib, absent = _open(built, symbols)
+        lib, absent = open_library(built, symbols, contract.contract_id(entries))
         if lib is None:
             raise KernelBuildError(
                 f"the kernels built from {SOURCE_DIR} do not load or lack {', '.join(absent[:3])}"

@@ -1,5 +1,5 @@
 /* Paged decode attention: one query token per row, read through the block table. */
-#include "common.h"
+#include "kernels.h"
 
 /* The query heads that share a KV head (GQA) go through its cache rows together, up to
    GROUP_TILE at a time (what AVX2's 16 registers hold): each row is loaded, and converted from

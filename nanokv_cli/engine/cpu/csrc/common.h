@@ -1,7 +1,8 @@
-/* Shared by every kernel file: includes, float16 conversion, the KV cache's element loads, the
-   exp used by silu and softmax, and the C view of a linear layer. Each file is compiled once per
-   instruction-set variant (see cpu/build.py); ISA-specific code sits behind the compiler's
-   feature macros (__AVX2__, __AVX512F__, ...), generic C everywhere else. */
+/* Shared by every C file: includes, float16 conversion, the KV cache's element loads, the exp
+   used by silu and softmax, and the thread pool's interface (kernels.h adds the kernels'; the
+   pool builds without them). Each file is compiled once per instruction-set variant (see
+   cpu/build.py); ISA-specific code sits behind the compiler's feature macros (__AVX2__,
+   __AVX512F__, ...), generic C everywhere else. */
 #ifndef NANOKV_COMMON_H
 #define NANOKV_COMMON_H
 #include <math.h>
@@ -103,70 +104,5 @@ void run_tasks(int64_t items, int threads, task_fn fn, void *ctx);
    per thread, so that a thread held up by another process delays only a part. */
 typedef void (*rows_fn)(void *ctx, int64_t begin, int64_t end);
 void run_rows(int64_t rows, int64_t work, int threads, rows_fn fn, void *ctx);
-
-/* Entry points one kernel file calls in another (program.c replays recorded calls of them). */
-int cache_half_supported(void);
-void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
-                  const float *w, int64_t rows, int64_t inner, int64_t dim, float eps,
-                  float *out, int64_t out_stride, int threads);
-void rotary_f32(float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim,
-                const float *table, const int64_t *positions, int threads);
-void store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                  const int64_t *slots, int64_t n, int64_t row, void *k_cache, void *v_cache,
-                  int half, int threads);
-void silu_mul_f32(const float *x, int64_t n, int64_t inter, float *out, int threads);
-int paged_decode_f32(const float *q, int64_t q_stride, const void *k_cache,
-                     const void *v_cache, const int64_t *block_tables, const int64_t *context_lens,
-                     int64_t n, int64_t width, int64_t heads, int64_t kv_heads, int64_t dim,
-                     int64_t block_size, float scale, float *out, int64_t out_stride, int half,
-                     int threads);
-
-/* A linear layer's weights as the kernels read them: LINEAR_F32 float32 [out][in] (linear.c),
-   or one of the packed formats, one layout each for every row count: LINEAR_Q4P (q4.c) from
-   Q4_0/Q4_1 blocks, LINEAR_Q8P (q8.c) from Q8_0 blocks. */
-enum { LINEAR_F32 = 0, LINEAR_Q4P = 1, LINEAR_Q8P = 2 };
-#define QBLOCK 32
-
-typedef struct {
-    int64_t kind, out, in;
-    const void *weight; /* float32 [out][in], or the packed bytes */
-    const float *bias;  /* [out] or NULL */
-} Linear;
-
-/* The packed kinds round their inputs to int16 per 32, every row alike; LINEAR_F32 does not
-   round. */
-int linear_f32(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
-               int64_t y_stride, int threads);
-
-int64_t q4p_bytes(int64_t out, int64_t in);
-void q4p_pack(const uint8_t *nibbles, const uint16_t *scale, const uint16_t *zero, int64_t out,
-              int64_t in, uint8_t *packed, int threads);
-int q4p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
-               int64_t y_stride, int threads);
-void q4p_dequantize_row(const Linear *L, int64_t row, float *out);
-int64_t q8p_bytes(int64_t out, int64_t in);
-void q8p_pack(const int8_t *q, const uint16_t *scale, int64_t out, int64_t in, uint8_t *packed,
-              int threads);
-int q8p_linear(const Linear *L, const float *x, int64_t x_stride, int64_t n, float *y,
-               int64_t y_stride, int threads);
-void q8p_dequantize_row(const Linear *L, int64_t row, float *out);
-
-/* The tiled product both packed formats run (panels.c): each input row rounded once (round_row:
-   row_bytes of values and row_scales floats), then tiles of up to PANEL_TILE_ROWS rows against
-   panels of 16 outputs, a panel being in / 32 records of record_bytes. tile: sums[rows][16]
-   (zeroed) += `rows` rounded rows (q_stride bytes and d_stride floats apart) x one panel. */
-#define PANEL_TILE_ROWS 6
-typedef struct {
-    int64_t record_bytes, row_bytes, row_scales;
-    void (*round_row)(const float *x, int64_t in, void *q, float *d);
-    void (*tile)(const void *q, int64_t q_stride, const float *d, int64_t d_stride,
-                 const uint8_t *panel, int64_t blocks, int rows, float *sums);
-} PanelFormat;
-int panel_linear(const PanelFormat *f, const Linear *L, const float *x, int64_t x_stride,
-                 int64_t n, float *y, int64_t y_stride, int threads);
-/* The input rounding (panels.c): one 32-block rounded to int16, q = round(x * (X16_MAX / max|x|)),
-   *d = max|x| / X16_MAX; returns sum(q). */
-#define X16_MAX 32767.0f
-int round_block_i16(const float *x, int16_t *q, float *d);
 
 #endif

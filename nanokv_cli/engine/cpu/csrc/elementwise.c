@@ -1,5 +1,5 @@
 /* Row-wise element kernels: RMSNorm (with the residual add), rotary, the K/V store, silu * up. */
-#include "common.h"
+#include "kernels.h"
 
 int cache_half_supported(void) {
 #ifdef __F16C__

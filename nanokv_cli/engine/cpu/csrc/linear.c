@@ -1,4 +1,4 @@
-#include "common.h"
+#include "kernels.h"
 
 /* ---------------------------------------------------------------------------------------------
    The linear layers' entry points, y = x W^T + b, and LINEAR_F32: float32 weights [out][in]

@@ -1,4 +1,4 @@
-#include "common.h"
+#include "kernels.h"
 
 /* ---------------------------------------------------------------------------------------------
    The tiled product both packed formats run (LINEAR_Q4P in q4.c, LINEAR_Q8P in q8.c), and the

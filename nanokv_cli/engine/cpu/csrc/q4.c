@@ -1,4 +1,4 @@
-#include "common.h"
+#include "kernels.h"
 
 /* ---------------------------------------------------------------------------------------------
    LINEAR_Q4P: GGUF's 4-bit blocks (Q4_0, Q4_1) in panels of 16 outputs, one layout that serves

@@ -1,4 +1,4 @@
-#include "common.h"
+#include "kernels.h"
 
 /* ---------------------------------------------------------------------------------------------
    LINEAR_Q8P: GGUF's Q8_0 blocks (w = scale * q, q int8, float16 scale per 32 inputs) in panels

@@ -28,11 +28,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from ..layers.linear import LinearBase
-from ..models import load_weights
-from . import kernels
-from .formats import GROUP_SIZE, Q4, Q8, PackedEmbedding, PackedLinear, WeightFormat, exact_format
+from .cpu import kernels
+from .cpu.formats import (
+    GROUP_SIZE,
+    Q4,
+    Q8,
+    FloatLinear,
+    PackedEmbedding,
+    PackedLinear,
+    WeightFormat,
+    exact_format,
+)
+from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from .layers.linear import LinearBase
+from .models import load_weights
 
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8", "int4")
 # What each mode packs a layer into when the file's blocks do not decide it.
@@ -225,3 +234,28 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def load_layers(
+    model: nn.Module,
+    weights: Mapping[str, Any],
+    blocks: Mapping[str, Any],
+    *,
+    quantization: str | None,
+    float_kernels: bool,
+) -> None:
+    """Give a freshly built model its weights, each layer in the format it runs in: packed as
+    ``quantization`` says (None: float), and, with ``float_kernels``, float projections and
+    LM head as ``FloatLinear`` - the C product for every row count, so a recorded decode step
+    replays them and a row's bits do not depend on its batch (the CPU kernels, one rank,
+    float32)."""
+    if quantization is None:
+        load_weights(model, weights)
+    else:
+        pack_model(model, quantization, weights, blocks)
+    if not float_kernels:
+        return
+    for path, module in list(model.named_modules()):
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            bias = module.bias if isinstance(module, LinearBase) else None
+            _replace(model, path, FloatLinear(module.weight, bias))

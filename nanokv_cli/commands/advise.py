@@ -1,0 +1,137 @@
+"""``nanokv advise``: how to raise a workload's prefix-cache hit rate, each gain measured by a
+dry run (``nanokv_cli.advise`` works it out, ``views/advise.py`` draws it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..paths import check_model_path
+from ..prompts import FORMATS, read_prompts
+from ..replay import DRY_RUN_CACHE_TOKENS
+from .engine_options import EngineFlags, engine_options
+from .errors import user_errors
+from .options import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_TOKENS,
+    ChatOpt,
+    DebugOpt,
+    JsonOpt,
+    RequestMaxTokensOpt,
+    check_dry_run_memory,
+    check_format,
+    parse_rate,
+    sampling_defaults,
+)
+from .output import print_json, stdout_console
+
+FileArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="FILE|TRACE",
+        help="Prompt file or request trace (as `replay` takes), or a trace written by "
+        "`replay --record`.",
+        show_default=False,
+    ),
+]
+FormatOpt = Annotated[
+    str, typer.Option("--format", help=f"Format of a prompt file: {', '.join(FORMATS)}.")
+]
+TokenizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", help="Tokenizer for prompt text. [default: SmolLM2-135M-Instruct]"
+    ),
+]
+RateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Requests per second ('inf': all at once). [default: the file's timestamps, "
+        "else all at once]",
+        show_default=False,
+    ),
+]
+LimitOpt = Annotated[
+    int | None, typer.Option(min=1, help="Only the first N requests of a prompt file.")
+]
+JobsOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Processes that run the grid's dry runs. [default: 2, or 1 on one CPU]",
+        show_default=False,
+    ),
+]
+# The settings "now", that the advice measures its changes against: a trace's own by default.
+NOW_HELP = {
+    "block_size": f"Tokens per KV block now. [default: a trace's, else {DEFAULT_BLOCK_SIZE}]",
+    "num_blocks": f"KV cache size now, in blocks. [default: a trace's, else "
+    f"{DRY_RUN_CACHE_TOKENS:,} tokens' worth, as `replay --dry-run`]",
+    "prefix_match": "Prefix-match mode now (where the engine has them). [default: the engine's]",
+}
+
+
+@engine_options(only=(*NOW_HELP, "enable_prefix_caching"), help=NOW_HELP)
+def advise_cmd(
+    file: FileArg,
+    fmt: FormatOpt = "auto",
+    model: TokenizerOpt = None,
+    chat: ChatOpt = False,
+    *,
+    engine: EngineFlags,
+    max_tokens: RequestMaxTokensOpt = DEFAULT_MAX_TOKENS,
+    rate: RateOpt = None,
+    limit: LimitOpt = None,
+    jobs: JobsOpt = None,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """How to raise the prefix-cache hit rate, with every gain measured by a dry run.
+
+    Runs FILE as `replay --dry-run` would (no model), then again at its bounds (a cache that
+    never evicts; block size 1) and with each change it can suggest: other block sizes, a
+    cache x2 and x4, the other prefix-match mode, and prompt layout (a varying first line
+    moved after the shared text). Prints the hit rate against its bounds, the missed tokens by
+    reason, where many prompts part from earlier ones (with the text there), the changes
+    ranked by measured gain, and what the input cannot show.
+
+    **Examples**
+
+    ```
+    nanokv advise prompts.jsonl
+    nanokv advise prompts.jsonl --block-size 64 --json
+    nanokv advise run.trace                  # a recorded run, run again
+    nanokv advise mooncake.jsonl --block-size 512 --num-blocks 8000
+    ```
+    """
+    from .. import advise as advising
+    from ..driver import PromptEncoder
+
+    check_format(fmt, FORMATS)
+    rate_value = parse_rate(rate)
+    defaults = sampling_defaults(temperature=0.0, max_tokens=max_tokens)
+    with user_errors(debug):
+        check_model_path(model)
+        trace = advising.is_trace(file) if file.is_file() else False
+        header_bs = header_n = None
+        if trace:
+            workload = advising.trace_workload(file)
+            header_bs, header_n = workload.recorded["block_size"], workload.recorded["num_blocks"]
+        bs = engine.given.get("block_size") or header_bs or DEFAULT_BLOCK_SIZE
+        n = engine.given.get("num_blocks") or (header_n if bs == header_bs else None)
+        n = n or -(-DRY_RUN_CACHE_TOKENS // bs)
+        check_dry_run_memory(n)
+        config = engine.config(block_size=bs, num_blocks=n)
+        if not trace:
+            pf = read_prompts(file, fmt, limit)
+            encoder = PromptEncoder(model, chat, max_prompt_tokens=bs * n)
+            workload = advising.prompt_file_workload(pf, encoder, defaults, rate_value)
+        advice = advising.advise(workload, config, jobs or advising.default_jobs())
+    if json_out:
+        print_json(advice)
+        return
+    from ..views.advise import render_advice
+
+    stdout_console().print(render_advice(advice))

@@ -1,0 +1,183 @@
+"""The server's Prometheus metrics (``/metrics``): vLLM's names where the meaning is the same."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest as prometheus_text
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine.block_manager import MISS_REASONS
+from ..report import cache_numbers
+
+# Buckets as vLLM's.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+# report.cache_numbers() name -> (metric name, help). vLLM's names where the meaning is the same.
+CACHE_COUNTERS = {
+    "cache_queries": (
+        "vllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache (first admissions).",
+    ),
+    "cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    "preemptions": ("vllm:num_preemptions", "Sequences preempted (recomputed)."),
+    "shared_hit_tokens": (
+        "nanokv:prefix_cache_shared_hits",
+        "Hit tokens whose block was in use by another sequence (ref count grew).",
+    ),
+    "revived_hit_tokens": (
+        "nanokv:prefix_cache_revived_hits",
+        "Hit tokens whose block was free but still cached (taken back from the free queue).",
+    ),
+    "copied_hit_tokens": (
+        "nanokv:prefix_cache_copied_hits",
+        "Hit tokens whose K/V were copied from a cached block sharing their leading tokens.",
+    ),
+    "evictions": ("nanokv:prefix_cache_evictions", "Cached blocks whose hash was evicted."),
+    "readmission_queries": (
+        "nanokv:prefix_cache_readmission_queries",
+        "Tokens looked up again after a preemption (not in the hit rate).",
+    ),
+    "readmission_hits": (
+        "nanokv:prefix_cache_readmission_hits",
+        "Re-admission tokens served from the cache.",
+    ),
+}
+
+
+class Metrics:
+    """Prometheus metrics of one server: counters and gauges read from the engine's last step
+    snapshot at scrape time, token counters and latency histograms fed by the engine thread."""
+
+    def __init__(self, model_name: str, num_blocks: int, snapshot: Callable[[], Any]) -> None:
+        self.model_name = model_name
+        self.num_blocks = num_blocks
+        self.snapshot = snapshot
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, label = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of started requests.", label, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", label, registry=reg
+        ).labels(model_name)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Requests that ended, by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.rejected = Counter(
+            "nanokv:requests_rejected",
+            "Requests refused up front (could never fit the model length or the cache).",
+            label,
+            registry=reg,
+        ).labels(model_name)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            label,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two tokens of a request.",
+            label,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            label,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        reg.register(self)
+        self._last_token: dict[int, float] = {}
+
+    def observe(self, outputs, now: float) -> None:
+        """One step's outputs (engine thread)."""
+        last = self._last_token
+        generated = prompt = 0
+        for out in outputs:
+            generated += len(out.new_token_ids)
+            prev = last.get(out.seq_id)
+            if prev is None:
+                prompt += out.num_prompt_tokens
+                self.ttft.observe(out.first_token_time - out.arrival_time)
+            else:
+                self.itl.observe(now - prev)
+            if out.finished:
+                last.pop(out.seq_id, None)
+                self.e2e.observe(now - out.arrival_time)
+                self.request_success.labels(self.model_name, out.finish_reason).inc()
+            else:
+                last[out.seq_id] = now
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+
+    def ended(self, seq_id: int, reason: str) -> None:
+        """A request aborted before it finished (``reason``: abort, or stop for stop strings)."""
+        self._last_token.pop(seq_id, None)
+        self.request_success.labels(self.model_name, reason).inc()
+
+    def collect(self):
+        """The engine's own numbers, from its last step snapshot (a collector for the registry)."""
+        snap = self.snapshot()
+        numbers = cache_numbers(snap)
+        name = [self.model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric(name, value)
+            return g
+
+        used = snap.num_used_blocks if snap else 0
+        cached = snap.num_cached_free_blocks if snap else 0
+        free = snap.num_free_blocks - cached if snap else self.num_blocks
+        yield gauge(
+            "vllm:num_requests_running", "Requests running.", snap.num_running if snap else 0
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting (including those mid-prefill).",
+            snap.num_waiting if snap else 0,
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV blocks in use by sequences (1 = full); cached free blocks count "
+            "as free.",
+            used / self.num_blocks if self.num_blocks else 0.0,
+        )
+        blocks = GaugeMetricFamily(
+            "nanokv:kv_cache_blocks",
+            "KV blocks by state: used (ref count > 0), cached (free, hash kept), free (clean).",
+            labels=["model_name", "state"],
+        )
+        for state, n in (("used", used), ("cached", cached), ("free", free)):
+            blocks.add_metric([self.model_name, state], n)
+        yield blocks
+        for key, (metric, doc) in CACHE_COUNTERS.items():
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric(name, numbers[key])
+            yield c
+        misses = CounterMetricFamily(
+            "nanokv:prefix_cache_miss_tokens",
+            "Prompt tokens that missed the prefix cache, by reason of the first missed block.",
+            labels=["model_name", "reason"],
+        )
+        for reason in MISS_REASONS:
+            misses.add_metric([self.model_name, reason], numbers["miss_tokens"].get(reason, 0))
+        yield misses
+
+    def text(self) -> bytes:
+        return prometheus_text(self.registry)
