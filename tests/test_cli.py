@@ -362,6 +362,13 @@ def fails(code: int, *args: str, input: str | None = None) -> str:
     return result.stderr
 
 
+def test_a_kv_cache_dtype_no_attention_path_reads_is_one_error():
+    err = fails(1, "generate", "x", "--kv-cache-dtype", "bfloat16", "--no-live")
+    assert err.count("\n") == 1 and "kv_cache_dtype 'bfloat16' with float32 weights" in err
+    assert "--kv-cache-dtype" in err  # what to change
+    assert "choose from auto, float32" in fails(2, "generate", "x", "--kv-cache-dtype", "fp8")
+
+
 def test_missing_file():
     err = fails(1, "replay", "/no/such/prompts.txt", "--dry-run")
     assert err.strip() == "nanokv: error: /no/such/prompts.txt: no such file"

@@ -84,6 +84,10 @@ class Sdpa:
     device: torch.device
     sorts_decodes = True  # longest contexts first: buckets are contiguous runs of the batch
     _workspace: torch.Tensor | None = field(default=None, repr=False)
+    _offsets: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._offsets = torch.arange(self.block_size)  # a block's slots, made once
 
     def describe(
         self,
@@ -100,7 +104,7 @@ class Sdpa:
     def _decode_groups(self, seqs: list[Sequence], contexts: list[int]) -> list[DecodeGroup]:
         if not seqs:
             return []
-        offsets = torch.arange(self.block_size)
+        offsets = self._offsets
         num_groups = min(MAX_DECODE_GROUPS, max(1, len(seqs) // MIN_DECODE_GROUP))
         bounds = [round(len(seqs) * g / num_groups) for g in range(num_groups + 1)]
         groups = []
