@@ -76,13 +76,16 @@ def test_the_kernel_tests_pass_under_every_variant(variant):
     subprocess.run([sys.executable, "-c", probe], env=env, check=True, timeout=600)
     tests = Path(__file__).parent
     files = ["test_cpu_kernels.py", "test_cpu_formats.py", "test_cpu_pool.py", "test_quant.py"]
-    # Of the model-level checks, the default model's KL and greedy-agreement bounds under the
-    # default mode: int4 and int8 run the same Q4/Q8 kernels on it, and the batch-invariance
-    # checks run per variant in test_answer_invariance.py (the whole file: 140 s of generic C).
-    bounds = "test_quantized_model.py::test_default_model_stays_close_to_float[auto]"
+    # Of the model-level checks, the default model's KL and greedy-agreement bounds, decode
+    # and prompts, in every mode; the batch-invariance checks run per variant in
+    # test_answer_invariance.py (the whole file took 140 s of plain C).
+    bounds = [
+        "test_quantized_model.py::test_default_model_stays_close_to_float",
+        "test_quantized_model.py::test_auto_prompts_stay_close_to_float",
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider"]
-        + [str(tests / f) for f in [*files, bounds]],
+        + [str(tests / f) for f in [*files, *bounds]],
         env=env,
         capture_output=True,
         text=True,
