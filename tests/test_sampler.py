@@ -111,3 +111,21 @@ def test_filter_is_per_row():
     # top-k and top-p together: the stricter wins per row
     out = filter_top_k_top_p(logits[:2], [1, 3], [0.99, 0.5])
     assert torch.isfinite(out).sum(-1).tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_maximum_and_refuses_nan_and_infinity(dtype):
+    """float32 CPU rows take numpy's argmax, others torch's: both keep torch's rule (ties go to
+    the first index) and a NaN or infinity anywhere in a row stops the run."""
+    from nanokv_cli.engine.sampler import NonFiniteLogitsError
+
+    logits = random_logits(8).round().to(dtype)  # rounding makes ties
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1
+    expected = [int(i) for i in logits.float().argmax(-1)]
+    assert expected[3] == 7
+    assert Sampler()(logits, seqs_with(8, temperature=0.0)) == expected
+    for bad in (float("nan"), float("inf")):
+        broken = logits.clone()
+        broken[5, 2] = bad
+        with pytest.raises(NonFiniteLogitsError, match="non-finite"):
+            Sampler()(broken, seqs_with(8, temperature=0.0))
