@@ -2,7 +2,9 @@
 
 - ``read_bandwidth(threads)``: bytes per second one pass of the C kernels' own pool reads from a
   buffer well past the last-level cache (csrc/probe.c), the best of a few passes, measured in
-  the benchmark's own run.
+  the benchmark's own run. ``nbytes=`` reads a buffer of another size again and again: at a
+  decode step's own size it is what a step's re-reads can reach where they fit the last-level
+  cache in part, a tighter bound than the first.
 - ``kernel_peak_flops(fmt, threads)``: the multiply-adds per second of the kernels' inner loop
   on a layer held in cache (no memory traffic), for a weight format: the compute limit of a
   batch or a prompt.

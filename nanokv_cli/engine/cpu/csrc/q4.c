@@ -137,6 +137,7 @@ static void q4p_tile_generic(const void *x, int64_t x_stride, const float *ds, i
        compilers vectorise, SSE2's pmaddwd); the integer sums are exact either way */
     int16_t w[QBLOCK * 16];
     for (int64_t b = 0; b < blocks; b++, panel += Q4P_RECORD) {
+        prefetch_ahead(panel, Q4P_RECORD);
         float scale[16], zero[16];
         for (int c = 0; c < 16; c++) {
             scale[c] = half_to_float(((const uint16_t *)(panel + Q4P_SCALES))[c]);
@@ -241,6 +242,7 @@ static const uint16_t q4p_byte16[16] __attribute__((aligned(32))) = {
         __asm__ volatile(                                                                        \
             TILE_ZERO_##R                                                                        \
             "1:\n\t"                                                                             \
+            TILE_PREFETCH_5                                                                      \
             Q4P_BLOCK16(R)                                                                       \
             "vcvtph2ps 256(%[w]), %%ymm12\n\t"                                                   \
             "vcvtph2ps 288(%[w]), %%ymm13\n\t"                                                   \
@@ -300,6 +302,7 @@ static inline __attribute__((always_inline)) void q4p_rows_vnni(const char *x, i
         __m512i acc[PANEL_TILE_ROWS], odd[PANEL_TILE_ROWS];
         for (int r = 0; r < R; r++) acc[r] = odd[r] = _mm512_setzero_si512();
         const char *xb = x + b * 2 * QBLOCK;
+        prefetch_ahead(panel, Q4P_RECORD);
         _Pragma("GCC unroll 8") for (int step = 0; step < 8; step++) {
             const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(panel + 32 * step)));
             const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(raw, shift), low);

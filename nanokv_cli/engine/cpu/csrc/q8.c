@@ -87,6 +87,7 @@ static void q8p_round_row(const float *x, int64_t in, void *q, float *d) {
 static void q8p_tile_generic(const int16_t *x, int64_t x_stride, const float *d, int64_t d_stride,
                              const uint8_t *panel, int64_t blocks, int rows, float *sums) {
     for (int64_t b = 0; b < blocks; b++, panel += Q8P_RECORD) {
+        prefetch_ahead(panel, Q8P_RECORD);
         const int8_t *w = (const int8_t *)panel; /* [16 steps][16 outputs][2] */
         float scale[16];
         for (int c = 0; c < 16; c++) scale[c] = half_to_float(((const uint16_t *)(panel + Q8P_SCALES))[c]);
@@ -149,6 +150,7 @@ static void q8p_tile_generic(const int16_t *x, int64_t x_stride, const float *d,
         __asm__ volatile(                                                                        \
             TILE_ZERO_##R                                                                        \
             "1:\n\t"                                                                             \
+            TILE_PREFETCH_9                                                                      \
             Q8P_STEP(TILE_ROWS_##R, TILE_MADDWD_FIRST, 0, 0)                                     \
             "addq $32, %[w]\n\t"                                                                 \
             "addq $4, %[x0]\n\t"                                                                 \
@@ -198,6 +200,7 @@ static inline __attribute__((always_inline)) void q8p_rows_vnni(const int16_t *x
     __m512 sum[PANEL_TILE_ROWS];
     for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, panel += Q8P_RECORD) {
+        prefetch_ahead(panel, Q8P_RECORD);
         /* even and odd steps in two chains for up to 3 rows (see q4.c) */
         __m512i acc[PANEL_TILE_ROWS], odd[PANEL_TILE_ROWS];
         for (int r = 0; r < R; r++) acc[r] = odd[r] = _mm512_setzero_si512();

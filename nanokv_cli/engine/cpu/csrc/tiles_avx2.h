@@ -61,6 +61,15 @@
 #define TILE_STORE_4 ""
 #define TILE_STORE_5 ""
 #define TILE_STORE_6 ""
+/* The look-ahead of common.h's prefetch_ahead, at a block's start (%[w] at its record): the 5
+   lines of a Q4P record, the 9 a Q8P record can touch */
+#define TILE_PREFETCH_LINE(offset) "prefetcht0 " PACKED_AHEAD_ASM "+" #offset "(%[w])\n\t"
+#define TILE_PREFETCH_5                                                         \
+    TILE_PREFETCH_LINE(0) TILE_PREFETCH_LINE(64) TILE_PREFETCH_LINE(128)        \
+    TILE_PREFETCH_LINE(192) TILE_PREFETCH_LINE(256)
+#define TILE_PREFETCH_9                                                         \
+    TILE_PREFETCH_5 TILE_PREFETCH_LINE(320) TILE_PREFETCH_LINE(384)             \
+    TILE_PREFETCH_LINE(448) TILE_PREFETCH_LINE(512)
 /* vpmaddwd: row r's next pair of int16 inputs, broadcast, times both weight vectors (int16
    pairs); a block's first step sets the accumulators a and b, later steps add to them */
 #define TILE_MADDWD_FIRST(xaddr, a, b)                                         \
