@@ -36,7 +36,12 @@ from nanokv_cli.engine.layers.embed_head import ParallelLMHead  # noqa: E402
 from nanokv_cli.engine.layers.linear import LinearBase  # noqa: E402
 
 PROBE_BYTES = 512 << 20  # far past any last-level cache here (32-256 MiB)
-PEAK_SHAPE = (192, 576, 96)  # outputs, inputs, rows: ~60-450 KB of weights, L2-resident
+# The peak's layer: 192 rows of 576 inputs against ~384 KB of weights in the format, so the
+# weights stay in a core's L2 (1-2 MB here) and a call's fixed costs (ctypes, rounding the rows,
+# the pool's hand-off) are a few percent of it. A layer of 192 x 576 x 96 rows measured ~45%
+# below this one's peak at one thread and two, so a 256-token prefill read "138%" of it.
+PEAK_ROWS, PEAK_INPUTS, PEAK_WEIGHT_BYTES = 192, 576, 384 << 10
+BYTES_PER_WEIGHT = {"q4": 0.625, "q8": 1.0625, "f32": 4.0}
 
 
 def read_bandwidth(threads: int, repeats: int = 5, nbytes: int = PROBE_BYTES) -> float:
@@ -53,8 +58,9 @@ def read_bandwidth(threads: int, repeats: int = 5, nbytes: int = PROBE_BYTES) ->
 
 def kernel_peak_flops(fmt: str, threads: int, repeats: int = 20) -> float:
     """Best FLOP/s (2 per multiply-add) of the C product on a cache-resident layer of format
-    ``fmt`` ("q4", "q8" or "f32") over ``PEAK_SHAPE``'s rows, with ``threads`` threads."""
-    out_features, in_features, rows = PEAK_SHAPE
+    ``fmt`` ("q4", "q8" or "f32") over ``PEAK_ROWS`` rows, with ``threads`` threads."""
+    in_features, rows = PEAK_INPUTS, PEAK_ROWS
+    out_features = int(PEAK_WEIGHT_BYTES / (in_features * BYTES_PER_WEIGHT[fmt])) // 16 * 16
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
     layer = (
         FloatLinear(weight, None)
