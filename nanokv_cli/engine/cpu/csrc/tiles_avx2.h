@@ -63,7 +63,7 @@
 #define TILE_STORE_6 ""
 /* The look-ahead of common.h's prefetch_ahead, at a block's start (%[w] at its record): the 5
    lines of a Q4P record, the 9 a Q8P record can touch */
-#define TILE_PREFETCH_LINE(offset) "prefetcht0 " PACKED_AHEAD_ASM "+" #offset "(%[w])\n\t"
+#define TILE_PREFETCH_LINE(offset) "prefetcht1 " PACKED_AHEAD_ASM "+" #offset "(%[w])\n\t"
 #define TILE_PREFETCH_5                                                         \
     TILE_PREFETCH_LINE(0) TILE_PREFETCH_LINE(64) TILE_PREFETCH_LINE(128)        \
     TILE_PREFETCH_LINE(192) TILE_PREFETCH_LINE(256)
