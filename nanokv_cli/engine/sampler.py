@@ -84,7 +84,12 @@ def greedy(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         rows = logits.detach().numpy()
         tokens = rows.argmax(-1)
-        check_finite(torch.from_numpy(rows[numpy.arange(len(tokens)), tokens]), seqs)
+        row_max = rows[numpy.arange(len(tokens)), tokens]
+        # numpy's check, torch's only to name the bad row: right after a decode step has
+        # streamed the weights through the caches, torch's isfinite and all() took ~80 µs
+        # (~15 µs on their own)
+        if not numpy.isfinite(row_max).all():
+            check_finite(torch.from_numpy(row_max), seqs)
         return tokens.tolist()
     tokens = logits.argmax(-1)
     check_finite(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), seqs)
