@@ -35,7 +35,7 @@ from nanokv_cli.engine.cpu.formats import Q4, Q8, FloatLinear, PackedLinear  # n
 from nanokv_cli.engine.layers.embed_head import ParallelLMHead  # noqa: E402
 from nanokv_cli.engine.layers.linear import LinearBase  # noqa: E402
 
-PROBE_BYTES = 512 << 20  # far past any last-level cache here (32-256 MiB)
+PROBE_BYTES = 512 << 20  # far past any last-level cache here (32-260 MiB)
 # The peak's layer: 192 rows of 576 inputs against ~384 KB of weights in the format, so the
 # weights stay in a core's L2 (1-2 MB here) and a call's fixed costs (ctypes, rounding the rows,
 # the pool's hand-off) are a few percent of it. A layer of 192 x 576 x 96 rows measured ~45%

@@ -29,10 +29,8 @@ static void read_chunk(void *arg, int64_t item) {
     uint64_t lanes[PROBE_LANES] = {0};
     int64_t i = begin;
     for (; i + PROBE_LANES <= end; i += PROBE_LANES) {
-#if defined(__x86_64__) || defined(__i386__)
         for (int line = 0; line < PROBE_LANES * 8; line += 64)
             __builtin_prefetch((const char *)(j->words + i) + PROBE_AHEAD + line, 0, 3);
-#endif
         #pragma omp simd
         for (int k = 0; k < PROBE_LANES; k++) lanes[k] ^= j->words[i + k];
     }
