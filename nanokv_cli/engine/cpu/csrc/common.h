@@ -71,13 +71,14 @@ static inline __attribute__((always_inline)) float load32_amax(const float *x, _
 
 /* A packed layer is read front to back, once per step (a 1-row product is one stream through
    it), and the hardware prefetcher alone keeps too few of its lines in flight: a 283 MB Q4
-   product read 7.9-9.0 GB/s at one thread on a Xeon whose core reads 12-15 GB/s, and 10-11.6
-   with a look-ahead of 0.6-2.5 KB (scripts/BENCHMARKS.md). Each tile asks for the lines
-   PACKED_AHEAD bytes past the record it starts; past a panel's end that is the next panel, the
-   next one it reads. Into L2, not L1: asked into L1, the look-ahead made a 1.47 MB layer
-   already in L2 take 1.6x as long (109 against 68 us), its requests holding the fill buffers
-   the loads need. A prefetch never faults: the look-ahead past a layer's end is harmless. */
-#define PACKED_AHEAD 2048
+   product read 7.9-9.0 GB/s at one thread on a Xeon whose core reads 12-15 GB/s, 10-11.6 with
+   a look-ahead of 2 KB and 11.7-13.8 with 4 KB (8 KB: no better; scripts/BENCHMARKS.md). Each
+   tile asks for the lines PACKED_AHEAD bytes past the record it starts; past a panel's end
+   that is the next panel, the next one it reads. Into L2, not L1: asked into L1, the
+   look-ahead made a 1.47 MB layer already in L2 take 1.6x as long (109 against 68 us), its
+   requests holding the fill buffers the loads need. A prefetch never faults: the look-ahead
+   past a layer's end is harmless. */
+#define PACKED_AHEAD 4096
 #define PACKED_STRINGIFY(x) #x
 #define PACKED_STRING(x) PACKED_STRINGIFY(x)
 #define PACKED_AHEAD_ASM PACKED_STRING(PACKED_AHEAD) /* the same, for the AVX2 tiles' assembly */
