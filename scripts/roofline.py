@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanokv_cli.engine.cpu import kernels  # noqa: E402
-from nanokv_cli.engine.cpu.formats import Q4, Q8, FloatLinear, PackedLinear  # noqa: E402
+from nanokv_cli.engine.cpu.formats import FORMATS, FloatLinear, PackedLinear  # noqa: E402
 from nanokv_cli.engine.layers.embed_head import ParallelLMHead  # noqa: E402
 from nanokv_cli.engine.layers.linear import LinearBase  # noqa: E402
 
@@ -41,7 +41,6 @@ PROBE_BYTES = 512 << 20  # far past any last-level cache here (32-260 MiB)
 # the pool's hand-off) are a few percent of it. A layer of 192 x 576 x 96 rows measured ~45%
 # below this one's peak at one thread and two, so a 256-token prefill read "138%" of it.
 PEAK_ROWS, PEAK_INPUTS, PEAK_WEIGHT_BYTES = 192, 576, 384 << 10
-BYTES_PER_WEIGHT = {"q4": 0.625, "q8": 1.0625, "f32": 4.0}
 
 
 def read_bandwidth(threads: int, repeats: int = 5, nbytes: int = PROBE_BYTES) -> float:
@@ -60,13 +59,11 @@ def kernel_peak_flops(fmt: str, threads: int, repeats: int = 20) -> float:
     """Best FLOP/s (2 per multiply-add) of the C product on a cache-resident layer of format
     ``fmt`` ("q4", "q8" or "f32") over ``PEAK_ROWS`` rows, with ``threads`` threads."""
     in_features, rows = PEAK_INPUTS, PEAK_ROWS
-    out_features = int(PEAK_WEIGHT_BYTES / (in_features * BYTES_PER_WEIGHT[fmt])) // 16 * 16
+    packed = FORMATS.get(fmt)
+    per_weight = packed.bytes_per_weight if packed else 4.0  # f32
+    out_features = int(PEAK_WEIGHT_BYTES / (in_features * per_weight)) // 16 * 16
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
-    layer = (
-        FloatLinear(weight, None)
-        if fmt == "f32"
-        else PackedLinear.from_parts({"q4": Q4, "q8": Q8}[fmt], [weight])
-    )
+    layer = FloatLinear(weight, None) if fmt == "f32" else PackedLinear.from_parts(packed, [weight])
     x = torch.randn(rows, in_features)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # the kernels run torch's thread count
