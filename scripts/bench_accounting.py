@@ -3,7 +3,7 @@
 1. One decode step of the scheduler + block manager with N running sequences (default 256),
    events off and on, against a bare loop that only moves the same sequences through a deque
    (the floor any Python scheduler pays), measured in the same run.
-2. The whole Mooncake conversation trace (shared/traces) at block size 512: all requests at
+2. The whole Mooncake conversation trace (examples/traces) at block size 512: all requests at
    once, and with their timestamps, for a few cache sizes. Each configuration runs in its own
    process so peak RSS is its own.
 
@@ -60,7 +60,7 @@ try:
 except ImportError:  # --against a revision from before EngineConfig: keyword settings
     EngineConfig = None
 
-TRACE = HERE.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = HERE / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def decode_step_us(num_seqs: int, steps: int, events: bool) -> float:

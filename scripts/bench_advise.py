@@ -1,4 +1,4 @@
-"""``nanokv advise`` on the whole Mooncake conversation trace (shared/traces): its wall time
+"""``nanokv advise`` on the whole Mooncake conversation trace (examples/traces): its wall time
 end to end (target: under 60 s), its grid, and its notes (the trace's 512-token hash ids).
 
 The baseline is one ``nanokv replay --dry-run`` at the same settings, in the same invocation:
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = ROOT / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 TARGET_S = 60.0
 
 # Runs the CLI in-process and reports the peak RSS of this process and of its largest child

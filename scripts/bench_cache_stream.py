@@ -34,7 +34,7 @@ from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
 from nanokv_cli.prompts import read_prompts  # noqa: E402
 from nanokv_cli.report import RunStats  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = ROOT / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 TICK_S = 0.1  # serve's CacheStream.interval, on the engine's (here virtual) clock
 
 

@@ -35,9 +35,7 @@ from nanokv_cli.prompts import read_prompts
 from nanokv_cli.report import RunStats
 from nanokv_cli.views.live import LiveView
 
-TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
+TRACE = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_conversation_trace.jsonl"
 
 
 class NoWait:

@@ -8,7 +8,7 @@ now), and block size 1 (every token its own block: the token-level bound on the 
 Time to first token is measured on the real clock, per request, with ``--threads`` threads.
 
 Workloads: ``examples/prompts.jsonl``; 10 prompts sharing a ~400-token policy with a variable
-line after it; a two-turn chat (turn 2 carries turn 1's real answer); the README's serving
+line after it; a two-turn chat (turn 2 carries turn 1's real answer); the serving page's
 example (a ~360-token system prompt, two questions).
 
 A second part checks the duplicate rule on a model-free dry run: prompts that are prefixes of
@@ -74,7 +74,7 @@ def workloads(llm: LLM) -> dict[str, list[list[int]]]:
         "examples/prompts.jsonl": examples,
         "policy x10": policy,
         "two-turn chat": chat,
-        "README serving": serving,
+        "serving page": serving,
     }
 
 

@@ -1,4 +1,4 @@
-"""What a trace costs and how fast it reads, on the Mooncake conversation trace (shared/traces).
+"""What a trace costs and how fast it reads, on the Mooncake conversation trace (examples/traces).
 
 1. The dry run at block size 512 and 8,000 blocks, without and with ``--record`` (the baseline
    is the same command in the same invocation): wall time, the ratio, and the trace's size.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = ROOT / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def run(*args: str) -> tuple[float, float, str]:

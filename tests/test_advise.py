@@ -17,7 +17,7 @@ from nanokv_cli.cli import app
 from nanokv_cli.engine.loader import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 runner = CliRunner()
 
 POLICY = "\n".join(

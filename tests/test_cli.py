@@ -15,7 +15,7 @@ from nanokv_cli.cli import app
 from nanokv_cli.trace import TraceReader
 
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 
 runner = CliRunner()
 

@@ -224,7 +224,7 @@ def test_replay_live_view_in_a_terminal(tiny, tmp_path):
 
 
 def test_progress_bar_on_a_terminal_without_the_live_view():
-    mooncake = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+    mooncake = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
     code, out = run_in_pty(["replay", mooncake, "--dry-run", "--limit", "30", "--no-live"])
     assert code == 0, out
     assert "replay" in out and "/30" in out  # the bar's done/total column

@@ -15,7 +15,7 @@ import pytest
 from nanokv_cli.trace import TraceReader
 
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 # Long enough that the run is still going when the signal comes (a few seconds per 500 requests).
 LONG_RUN = [
     "replay",

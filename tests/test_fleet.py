@@ -17,12 +17,7 @@ from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.fleet import ROUTERS, Fleet, block_hashes
 from nanokv_cli.fleet_report import run_fleet, what_if
 
-MOONCAKE = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "traces"
-    / ("mooncake_conversation_trace.jsonl")
-)
+MOONCAKE = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_conversation_trace.jsonl"
 BS = 16  # tokens per block
 PREFIX_BLOCKS = 4  # full blocks each group's prompts share
 SUFFIX = 5  # tokens after the shared prefix, unique per prompt: the last token's block

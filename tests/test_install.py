@@ -6,9 +6,10 @@ And the start explains itself: no compiler, a bad ``NANOKV_CPU_ISA``, a broken c
 or an impossible ``--threads`` give one line (a note, an error or a usage error), never a
 traceback; ``nanokv doctor`` reports what this machine gives nanokv.
 
-The virtual environments see this interpreter's site-packages (torch, the default model and
-the other dependencies are installed once, by .ci/run), and pip installs with ``--no-index``:
-a dependency the package declares but the environment lacks fails the install, offline.
+The virtual environments see the running interpreter's site-packages (torch, the default model
+and the other dependencies are installed once, by the README's commands), whether that is the
+system Python or a venv, and pip installs with ``--no-index``: a dependency the package
+declares but the environment lacks fails the install, offline.
 """
 
 from __future__ import annotations
@@ -78,6 +79,31 @@ def source_tree(dest: Path) -> Path:
     return dest
 
 
+def fresh_venv(venv: Path) -> Path:
+    """A new virtual environment that sees the running interpreter's packages; its python.
+
+    ``--system-site-packages`` would give it the base installation's, which in a venv is not
+    where the tests' dependencies are: a ``.pth`` file names the running site-packages
+    instead (as plain paths, so their own ``.pth`` files, such as the checkout's editable
+    install, do not run). No pip of its own: the venv's bundled pip and setuptools would shadow
+    the running ones (torch requires setuptools>=77); that pip installs into it.
+    """
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=TIMEOUT_S
+    )
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=TIMEOUT_S,
+    ).stdout.strip()
+    outer = [p for p in sys.path if p.endswith("-packages") and Path(p).is_dir()]
+    Path(purelib, "_running_site_packages.pth").write_text("\n".join(outer) + "\n")
+    return python
+
+
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory) -> dict[str, Path]:
     """The wheel and the sdist, built by setuptools' PEP 517 hooks (as pip and build do)."""
@@ -136,14 +162,7 @@ def test_an_installed_distribution_runs_generate_on_its_own_kernels(
     kind, dists, reference_text, tmp_path
 ):
     venv = tmp_path / "venv"
-    subprocess.run(
-        # No pip of its own: the venv's bundled pip and setuptools would shadow this
-        # environment's newer ones (torch requires setuptools>=77); this pip installs into it.
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-        timeout=TIMEOUT_S,
-    )
-    python = venv / "bin" / "python"
+    python = fresh_venv(venv)
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the venv
     install = subprocess.run(
         [python, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation", dists[kind]],

@@ -19,9 +19,7 @@ from nanokv_cli.engine.mooncake import (
 from nanokv_cli.engine.requests import Request
 from nanokv_cli.engine.sampling_params import SamplingParams
 
-TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared/traces/mooncake_conversation_trace.jsonl"
-)
+TRACE = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_conversation_trace.jsonl"
 
 
 def test_equal_hash_ids_give_equal_blocks_and_partial_blocks_are_prefixes():
@@ -74,7 +72,6 @@ def test_reader_reports_the_bad_line_number(tmp_path):
         next(reqs)
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="shared/ trace not next to the checkout")
 def test_dry_run_of_the_real_trace_slice_hits_the_shared_prefix():
     clock = VirtualClock()
     settings = EngineConfig(

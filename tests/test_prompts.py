@@ -11,7 +11,7 @@ from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.prompts import PromptFileError, detect_format, map_prompt_blocks, read_prompts
 
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

@@ -1,8 +1,8 @@
 """``nanokv serve``: real servers on free loopback ports, driven by the real ``openai`` client.
 
 Each server is a subprocess (``python -m nanokv_cli.cli serve --port 0``) on a tiny random
-Llama; the README's serving examples run against the default model. Logs go to files, not
-pipes, so a chatty server can never block on a full pipe.
+Llama; the serving page's examples (docs/serving.md) run against the default model. Logs go to
+files, not pipes, so a chatty server can never block on a full pipe.
 """
 
 from __future__ import annotations
@@ -546,16 +546,16 @@ def test_a_taken_port_fails_at_once(tiny, server):
     assert r.returncode == 1 and "cannot listen on" in r.stderr and "Traceback" not in r.stderr
 
 
-# -- the README's serving examples, as written --------------------------------------------------
+# -- the serving page's examples, as written ----------------------------------------------------
 
 
 def serving_section() -> str:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    return readme.split("## Serving", 1)[1].split("\n## ", 1)[0]
+    page = (REPO / "docs" / "serving.md").read_text(encoding="utf-8")
+    return page.split("# Serving", 1)[1].split("\n## ", 1)[0]
 
 
 @pytest.mark.slow
-def test_the_readme_serving_examples_run(tmp_path):
+def test_the_serving_page_examples_run(tmp_path):
     section = serving_section()
     shell = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     shell = re.sub(r"\\\n\s*", " ", shell)
