@@ -7,20 +7,36 @@ module speaks it, in one place for both users: ``serve --kv-events-config`` publ
 
 **The wire**, as vLLM's ``ZmqEventPublisher`` sends it: a PUB socket, one multipart message per
 batch, ``[topic, sequence number (8 bytes, big-endian), payload]``, the sequence numbers
-0, 1, 2, ... without gaps. The payload is msgpack of vLLM's ``KVEventBatch`` as msgspec encodes
-it with ``array_like=True``: ``[ts, [event, ...], data_parallel_rank]``, each event a tagged
-array in vLLM's field order::
+0, 1, 2, ... without gaps. The payload is msgpack of vLLM's ``KVEventBatch``, an array
+``[ts, [event, ...], data_parallel_rank]``. Each event is encoded one of two ways (the
+``encoding`` key of ``--kv-events-config``, nanokv's own: vLLM has one encoding at a time):
 
-    ["BlockStored", [block_hash], parent_block_hash | None, token_ids, block_size,
-     lora_id, medium, lora_name]
-    ["BlockRemoved", [block_hash], medium]
-    ["AllBlocksCleared"]
+* ``map`` (the default): vLLM's encoding since its PR #42892 (June 2026, vLLM 0.26 on), a
+  msgpack map per event tagged by its ``"type"`` key::
 
-(Dynamo decodes exactly this; it refuses a batch sent as a map.) ``lora_id``, ``medium`` and
-``lora_name`` are None: no adapters, and the blocks are in the engine's own KV cache. A block's
-hash is nanokv's chained xxh64 (it stands for the whole prefix, so the parent links blocks into
-prefixes); its ``token_ids`` and ``block_size`` let a consumer compute its own keys, as Dynamo's
-indexer does. A ROUTER socket answers replay requests ``[b"", start_seq (8 bytes)]`` with
+      {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p | None,
+       "token_ids": [...], "block_size": n, "lora_id": None, "medium": None,
+       "lora_name": None, "extra_keys": [None], "group_idx": 0,
+       "kv_cache_spec_kind": "full_attention"}
+      {"type": "BlockRemoved", "block_hashes": [h], "medium": None, "group_idx": 0}
+      {"type": "AllBlocksCleared"}
+
+  Fields vLLM leaves out at their default (``omit_defaults``) are left out here too: the ones
+  nanokv has no meaning for (sliding window, locality, ownership, session, look-ahead tokens).
+* ``array``: the positional form of vLLM before that PR, still read by older consumers::
+
+      ["BlockStored", [block_hash], parent_block_hash | None, token_ids, block_size,
+       lora_id, medium, lora_name]
+      ["BlockRemoved", [block_hash], medium]
+      ["AllBlocksCleared"]
+
+Dynamo's indexer and llm-d-kv-cache (v0.9 on) read both. ``lora_id`` and ``lora_name`` are
+None: no adapters. ``medium`` is None: the blocks are in the engine's own cache (vLLM writes
+"GPU" there, and a consumer reads "CPU" as vLLM's host-offload tier, which a CPU engine's cache
+is not). One KV cache group: ``group_idx`` 0, full attention. A block's hash is nanokv's chained
+xxh64 (it stands for the whole prefix, so the parent links blocks into prefixes); its
+``token_ids`` and ``block_size`` let a consumer compute its own keys, as Dynamo's indexer does.
+A ROUTER socket answers replay requests ``[b"", start_seq (8 bytes)]`` with
 ``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on, then ``[b"", -1, b""]``.
 
 **Batches.** One per engine step that changed the prefix cache (``KVEventBatcher``). A hash is
@@ -73,8 +89,41 @@ def removed_event(block_hash: int) -> list[Any]:
     return ["BlockRemoved", [block_hash], None]
 
 
-def encode_batch(ts: float, events: list[list[Any]]) -> bytes:
-    """One ``KVEventBatch`` payload, as vLLM's msgspec encoder writes it."""
+# One KV cache group, of full attention (vLLM's group index and spec kind).
+GROUP_IDX = 0
+SPEC_KIND = "full_attention"
+ENCODINGS = ("map", "array")
+
+
+def as_map(event: list[Any]) -> dict[str, Any]:
+    """An event in vLLM's tagged-map encoding, from the positional form the batcher keeps."""
+    tag = event[0]
+    if tag == "BlockStored":
+        _, hashes, parent, tokens, size, lora_id, medium, lora_name = event
+        return {
+            "type": tag,
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": size,
+            "lora_id": lora_id,
+            "medium": medium,
+            "lora_name": lora_name,
+            "extra_keys": [None] * len(hashes),  # one per block: none of these blocks has any
+            "group_idx": GROUP_IDX,
+            "kv_cache_spec_kind": SPEC_KIND,
+        }
+    if tag == "BlockRemoved":
+        _, hashes, medium = event
+        return {"type": tag, "block_hashes": hashes, "medium": medium, "group_idx": GROUP_IDX}
+    return {"type": tag}
+
+
+def encode_batch(ts: float, events: list[list[Any]], encoding: str = "map") -> bytes:
+    """One ``KVEventBatch`` payload, as vLLM's msgspec encoder writes it, events in
+    ``encoding`` (``map``: today's vLLM; ``array``: vLLM before June 2026)."""
+    if encoding == "map":
+        events = [as_map(e) for e in events]
     return msgpack.packb([ts, events, DATA_PARALLEL_RANK])
 
 
@@ -122,14 +171,14 @@ class KVEventBatcher:
         return [CLEARED, *self.announced.values()]
 
 
-def export_batches(events, block_size: int, start: float) -> Iterator[bytes]:
+def export_batches(events, block_size: int, start: float, encoding: str = "map") -> Iterator[bytes]:
     """A run's events (in order) as payloads, one per step that changed the cache; a batch's
     ``ts`` is ``start`` plus the engine's clock at the end of its step."""
     batcher = KVEventBatcher(block_size)
     for event in events:
         out = batcher.feed(event)
         if out is not None:
-            yield encode_batch(start + event.clock, out)
+            yield encode_batch(start + event.clock, out, encoding)
 
 
 # -- the serve setting ---------------------------------------------------------------------------
@@ -147,13 +196,21 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's high-water mark (messages per subscriber)
     max_queue_size: int = 100_000  # batches waiting for the publisher thread
     topic: str = ""
+    # nanokv's own key: how each event is encoded ("map", vLLM's today; "array", its old form).
+    encoding: str = "map"
 
     @property
     def enabled(self) -> bool:
         return self.enable_kv_cache_events and self.publisher != "null"
 
 
-_TYPES = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "topic": str}
+_TYPES = {
+    "enable_kv_cache_events": bool,
+    "publisher": str,
+    "endpoint": str,
+    "topic": str,
+    "encoding": str,
+}
 _COUNTS = ("buffer_steps", "hwm", "max_queue_size")
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -184,6 +241,8 @@ def _check_value(key: str, value: Any) -> None:
             raise ValueError(f"{key} must be a {_TYPES[key].__name__}, got {value!r}")
         if key == "publisher" and value not in (None, "zmq", "null"):
             raise ValueError(f"unknown publisher {value!r} (choose from zmq, null)")
+        if key == "encoding" and value not in ENCODINGS:
+            raise ValueError(f"unknown encoding {value!r} (choose from {', '.join(ENCODINGS)})")
     elif key in _COUNTS:
         if type(value) is not int or value < 1:
             raise ValueError(f"{key} must be a whole number >= 1, got {value!r}")
@@ -304,7 +363,7 @@ class ZmqKVEventPublisher:
                     continue
                 if item is None:
                     break
-                payload = encode_batch(*item)
+                payload = encode_batch(*item, self.config.encoding)
                 seq_bytes = seq.to_bytes(8, "big")
                 self._pub.send_multipart((topic, seq_bytes, payload), copy=False)
                 self._buffer.append((seq, payload))

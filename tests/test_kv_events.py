@@ -32,6 +32,7 @@ from nanokv_cli.kv_events import (
     KVEventBatcher,
     KVEventsConfig,
     ZmqKVEventPublisher,
+    encode_batch,
     parse_kv_events_config,
 )
 from nanokv_cli.trace import TraceReader, TraceWriter, export, make_header
@@ -44,9 +45,13 @@ LOOPBACK = "tcp://127.0.0.1:*"  # a free port, resolved by the publisher and pri
 
 
 # -- vLLM's structs, as vllm/distributed/kv_events.py declares them -----------------------------
+# Today's encoding (vLLM PR #42892 on): each event a map tagged by "type", field by field as
+# vLLM's current classes; unknown fields refused, so nanokv sends nothing vLLM does not name.
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(
+    msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=True
+):
     pass
 
 
@@ -58,11 +63,20 @@ class BlockStoredWire(KVCacheEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
 
 
 class BlockRemovedWire(KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksClearedWire(KVCacheEvent, tag="AllBlocksCleared"):
@@ -75,7 +89,54 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+# The older encoding: each event a tagged array, in vLLM's field order.
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStoredArray(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemovedArray(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksClearedArray(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatchArray(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStoredArray | BlockRemovedArray | AllBlocksClearedArray]
+    data_parallel_rank: int | None = None
+
+
+DECODERS = {
+    "map": msgspec.msgpack.Decoder(KVEventBatch),
+    "array": msgspec.msgpack.Decoder(KVEventBatchArray),
+}
+DECODER = DECODERS["map"]
+STORED, REMOVED = (BlockStoredWire, BlockStoredArray), (BlockRemovedWire, BlockRemovedArray)
+CLEARED = (AllBlocksClearedWire, AllBlocksClearedArray)
+
+
+def canonical(event) -> tuple:
+    """What an event says, whichever encoding carried it."""
+    if isinstance(event, STORED):
+        return ("stored", *event.block_hashes, event.parent_block_hash, tuple(event.token_ids))
+    if isinstance(event, REMOVED):
+        return ("removed", *event.block_hashes)
+    return ("cleared",)
 
 
 class Held:
@@ -87,22 +148,26 @@ class Held:
         self.hashes: set[int] = set()
         self.removed = 0
 
-    def apply(self, batch: KVEventBatch) -> None:
+    def apply(self, batch: KVEventBatch | KVEventBatchArray) -> None:
         assert batch.data_parallel_rank == 0 and batch.ts > 0
         for e in batch.events:
-            if isinstance(e, AllBlocksClearedWire):
+            if isinstance(e, CLEARED):
                 self.hashes.clear()
-            elif isinstance(e, BlockRemovedWire):
+            elif isinstance(e, REMOVED):
                 (h,) = e.block_hashes
                 assert h in self.hashes, f"BlockRemoved of {h}, never announced"
                 self.hashes.remove(h)
                 self.removed += 1
+                assert e.medium is None and getattr(e, "group_idx", 0) == 0
             else:
                 (h,) = e.block_hashes
                 assert h not in self.hashes, f"BlockStored of {h} twice"
                 assert e.parent_block_hash is None or e.parent_block_hash in self.hashes
                 assert e.block_size == BS and len(e.token_ids) == BS
                 assert e.lora_id is e.medium is e.lora_name is None
+                if isinstance(e, BlockStoredWire):  # one group of full attention, no extra keys
+                    assert (e.group_idx, e.kv_cache_spec_kind) == (0, "full_attention")
+                    assert e.extra_keys == [None]
                 parent = -1 if e.parent_block_hash is None else e.parent_block_hash
                 assert BlockManager.compute_hash(e.token_ids, parent) == h
                 self.hashes.add(h)
@@ -123,7 +188,10 @@ class Stream:
     indexer sends: ``[b"", start_seq]``), kept gap-free: a batch missed by the SUB (it joined
     late) is fetched by replay before the next is applied."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str) -> None:
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, replay_endpoint: str, encoding: str = "map"
+    ) -> None:
+        self.decoder = DECODERS[encoding]
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(endpoint)
@@ -161,7 +229,7 @@ class Stream:
     def _apply(self, seq: int, payload: bytes) -> None:
         assert seq == len(self.frames), f"sequence number {seq} after {len(self.frames) - 1}"
         self.frames.append((seq, payload))
-        self.held.apply(DECODER.decode(payload))
+        self.held.apply(self.decoder.decode(payload))
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -208,12 +276,11 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
 
 
-def start(tiny: Path, workdir: Path, *extra: str) -> Server:
+def start(tiny: Path, workdir: Path, *extra: str, encoding: str = "map") -> Server:
     workdir.mkdir(parents=True, exist_ok=True)
     args = ["--model", str(tiny), "--block-size", str(BS), "--num-blocks", "24", "--threads", "1"]
-    return Server(
-        [*args, "--no-live", *kv_events_args(), *extra], workdir, {"OMP_NUM_THREADS": "1"}
-    )
+    events = kv_events_args(encoding=encoding)
+    return Server([*args, "--no-live", *events, *extra], workdir, {"OMP_NUM_THREADS": "1"})
 
 
 def stop(server: Server) -> None:
@@ -229,6 +296,8 @@ def test_the_setting_takes_vllms_keys_and_refuses_anything_else():
     assert config.enabled and config.publisher == "zmq" and config.topic == "kv"
     assert (config.endpoint, config.replay_endpoint) == ("tcp://*:5557", None)
     assert (config.buffer_steps, config.hwm) == (10_000, 100_000)  # vLLM's defaults
+    assert config.encoding == "map"  # vLLM's today
+    assert parse_kv_events_config('{"encoding": "array"}').encoding == "array"
     assert not parse_kv_events_config('{"enable_kv_cache_events": false}').enabled
     null = '{"enable_kv_cache_events": true, "publisher": "null"}'
     assert not parse_kv_events_config(null).enabled
@@ -242,6 +311,7 @@ def test_the_setting_takes_vllms_keys_and_refuses_anything_else():
         ('{"hwm": 0}', "hwm must be a whole number"),
         ('{"enable_kv_cache_events": "yes"}', "must be a bool"),
         ('{"endpoint": "localhost:5557"}', "must be a ZMQ address"),
+        ('{"encoding": "tuple"}', "unknown encoding 'tuple' (choose from map, array)"),
     ]:
         result = CliRunner().invoke(app, ["serve", "--kv-events-config", bad])
         assert result.exit_code == 2, result.output
@@ -299,7 +369,11 @@ def test_each_step_announces_what_the_prefix_cache_holds_once():
 
     def check():
         while step_batches:
-            held.apply(DECODER.decode(msgpack.packb([1.0, step_batches.pop(0), 0])))
+            events = step_batches.pop(0)
+            batches = {e: DECODERS[e].decode(encode_batch(1.0, events, e)) for e in DECODERS}
+            says = {e: [canonical(x) for x in b.events] for e, b in batches.items()}
+            assert says["map"] == says["array"]  # two encodings of one batch
+            held.apply(batches["map"])
         assert held.hashes == set(eng.block_manager.hash_to_block_id)
 
     workload(eng, check)
@@ -338,15 +412,19 @@ def test_the_file_export_is_the_stream_the_publisher_sends(tmp_path):
     finally:
         publisher.close()  # again after a failure: stops the thread
         stream.close()
-    out = io.BytesIO()
-    assert export(TraceReader(path), "vllm-kv-events", out) == n
-    exported = [
-        DECODER.decode(msgpack.packb(b)).events
-        for b in msgpack.Unpacker(io.BytesIO(out.getvalue()))
-    ]
     published = [DECODER.decode(p).events for _, p in stream.frames[:n]]
     assert published[0][0] == AllBlocksClearedWire()
-    assert exported == [published[0][1:], *published[1:]]
+    for fmt, encoding in (("vllm-kv-events", "map"), ("vllm-kv-events-array", "array")):
+        out = io.BytesIO()
+        assert export(TraceReader(path), fmt, out) == n
+        exported = [
+            DECODERS[encoding].decode(msgpack.packb(b)).events
+            for b in msgpack.Unpacker(io.BytesIO(out.getvalue()))
+        ]
+        if encoding == "map":
+            assert exported == [published[0][1:], *published[1:]]
+        said = [[canonical(e) for e in batch] for batch in exported]
+        assert said == [[canonical(e) for e in b] for b in [published[0][1:], *published[1:]]]
 
 
 # -- a real server ----------------------------------------------------------------------------
@@ -459,10 +537,12 @@ def converge(indexer: Indexer, streams: dict[int, Stream], prompts: list[list[in
     return ours
 
 
-def attach(indexer: Indexer, worker: int, server: Server, rng: random.Random) -> Stream:
+def attach(
+    indexer: Indexer, worker: int, server: Server, rng: random.Random, encoding: str
+) -> Stream:
     """Register ``server`` and wait until the indexer's subscription is live: a fresh prompt
     (its own first token: no test prompt shares a block with it) shows up in its answers."""
-    stream = Stream(zmq.Context.instance(), *endpoints(server))
+    stream = Stream(zmq.Context.instance(), *endpoints(server), encoding=encoding)
     indexer.register(worker, server)
     for _ in range(50):
         probe = prompt(rng, [1], 2)
@@ -482,17 +562,18 @@ def books_agree(server: Server, stream: Stream, tokens: list[int]) -> None:
 
 
 @pytest.mark.slow
-def test_dynamos_indexer_holds_per_server_what_each_server_holds(tiny, tmp_path):
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_dynamos_indexer_holds_per_server_what_each_server_holds(encoding, tiny, tmp_path):
     pytest.importorskip("dynamo.indexer", reason="ai-dynamo-runtime (the test extra) is missing")
     rng = random.Random(3)
     indexer = Indexer(tmp_path)
     servers = []
     try:
-        a = start(tiny, tmp_path / "a")
+        a = start(tiny, tmp_path / "a", encoding=encoding)
         servers.append(a)
-        b = start(tiny, tmp_path / "b")
+        b = start(tiny, tmp_path / "b", encoding=encoding)
         servers.append(b)
-        streams = {1: attach(indexer, 1, a, rng), 2: attach(indexer, 2, b, rng)}
+        streams = {1: attach(indexer, 1, a, rng, encoding), 2: attach(indexer, 2, b, rng, encoding)}
         s1, s2 = prompt(rng, [], 3)[: 3 * BS], prompt(rng, [], 2)[: 2 * BS]
         prompts = [prompt(rng, s1, 5), prompt(rng, s1, 5), prompt(rng, s2, 4), prompt(rng, s2, 4)]
         for p in prompts[:3]:
@@ -519,10 +600,10 @@ def test_dynamos_indexer_holds_per_server_what_each_server_holds(tiny, tmp_path)
         assert all(1 not in o for o in gone) and gone[3] == {2: 4}
         # A restarts with an empty cache. Dynamo's ZMQ listener does not reconnect to a
         # restarted publisher: the worker is registered again, as Dynamo's discovery would.
-        a = start(tiny, tmp_path / "a2")
+        a = start(tiny, tmp_path / "a2", encoding=encoding)
         servers.append(a)
         indexer.unregister(1)
-        streams[1] = attach(indexer, 1, a, rng)
+        streams[1] = attach(indexer, 1, a, rng, encoding)
         complete(a, prompts[2])
         after = converge(indexer, streams, prompts)
         assert 1 not in after[0] and after[2][1] == 4

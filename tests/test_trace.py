@@ -279,7 +279,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 def test_vllm_kv_event_export_decodes_with_vllms_structs(tmp_path, small_records):
     path, seen = record(tmp_path)
     out = io.BytesIO()
-    n = export(TraceReader(path), "vllm-kv-events", out)
+    n = export(TraceReader(path), "vllm-kv-events-array", out)  # vLLM's older encoding
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     batches = [
         decoder.decode(msgpack.packb(obj)) for obj in msgpack.Unpacker(io.BytesIO(out.getvalue()))
@@ -298,6 +298,14 @@ def test_vllm_kv_event_export_decodes_with_vllms_structs(tmp_path, small_records
     assert [s.block_hashes[0] for s in stored] == [e.block_hash for e in ours]
     assert [s.token_ids for s in stored] == [list(e.token_ids) for e in ours]
     assert all(s.block_size == BLOCK_SIZE for s in stored)
+    # Today's encoding: the same batches, each event a map tagged by "type".
+    maps = io.BytesIO()
+    assert export(TraceReader(path), "vllm-kv-events", maps) == n
+    first_batch = next(iter(msgpack.Unpacker(io.BytesIO(maps.getvalue()))))
+    assert len(first_batch) == 3 and first_batch[2] == 0
+    event = first_batch[1][0]
+    assert event["type"] == "BlockStored" and event["block_hashes"] == first[1]
+    assert event["token_ids"] == first[3] and event["group_idx"] == 0
     assert [r.block_hashes[0] for r in removed] == [
         e.block_hash for e in seen if type(e).__name__ == "BlockRemoved"
     ]

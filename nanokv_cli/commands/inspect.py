@@ -44,8 +44,9 @@ ExportOpt = Annotated[
     typer.Option(
         "--export",
         metavar="FORMAT FILE",
-        help="Write a TRACE's events to FILE as jsonl (one event per line) or "
-        "vllm-kv-events (vLLM's EventBatch msgpack stream).",
+        help="Write a TRACE's events to FILE as jsonl (one event per line), "
+        "vllm-kv-events (vLLM's KVEventBatch msgpack stream, events as tagged maps) or "
+        "vllm-kv-events-array (the same, events as vLLM's older positional arrays).",
         show_default=False,
     ),
 ]

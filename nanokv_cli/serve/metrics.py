@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -10,6 +11,7 @@ from prometheus_client import generate_latest as prometheus_text
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.block_manager import MISS_REASONS
+from ..engine.events import AllBlocksCleared, BlockAllocated, BlockCopied, BlockHit
 from ..report import cache_numbers
 
 # Buckets as vLLM's.
@@ -19,6 +21,16 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_TOKEN_BUCKETS = tuple(float(n) for n in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                          8192, 16384, 32768, 65536, 131072))  # fmt: skip
+_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+                      10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)  # fmt: skip
+
+# Where a prompt token's K/V came from, in vLLM's words: computed here, this engine's prefix
+# cache, or another engine (nanokv transfers none).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# Which tier served a cached prompt token (vLLM's sources; nanokv has the device cache alone).
+CACHED_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
 
 # report.cache_numbers() name -> (metric name, help). vLLM's names where the meaning is the same.
 CACHE_COUNTERS = {
@@ -56,15 +68,51 @@ class Metrics:
     """Prometheus metrics of one server: counters and gauges read from the engine's last step
     snapshot at scrape time, token counters and latency histograms fed by the engine thread."""
 
-    def __init__(self, model_name: str, num_blocks: int, snapshot: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        num_blocks: int,
+        snapshot: Callable[[], Any],
+        cache_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``cache_config``: the labels of ``vllm:cache_config_info`` (block size, ...)."""
         self.model_name = model_name
         self.num_blocks = num_blocks
         self.snapshot = snapshot
+        self.cache_config = {k: str(v) for k, v in (cache_config or {}).items()}
         self.registry = CollectorRegistry(auto_describe=True)
         reg, label = self.registry, ["model_name"]
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens of started requests.", label, registry=reg
         ).labels(model_name)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens of started requests by where their K/V came from.",
+            ["model_name", "source"],
+            registry=reg,
+        )
+        self.by_source = {s: by_source.labels(model_name, s) for s in PROMPT_SOURCES}
+        self.cached_tokens = Counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens of started requests served from a cache.",
+            label,
+            registry=reg,
+        ).labels(model_name)
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prompt tokens served from a cache, by the tier that held them.",
+            ["model_name", "source"],
+            registry=reg,
+        )
+        self.cached_by_source = {s: cached_by_source.labels(model_name, s) for s in CACHED_SOURCES}
+        self.prefill_computed = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens a request's prefill computed (its prompt less the cached tokens).",
+            label,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.residency = BlockResidency(reg, model_name)
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Generated tokens.", label, registry=reg
         ).labels(model_name)
@@ -113,6 +161,7 @@ class Metrics:
             prev = last.get(out.seq_id)
             if prev is None:
                 prompt += out.num_prompt_tokens
+                self._prompt_sources(out.num_prompt_tokens, out.num_cached_tokens)
                 self.ttft.observe(out.first_token_time - out.arrival_time)
             else:
                 self.itl.observe(now - prev)
@@ -124,6 +173,14 @@ class Metrics:
                 last[out.seq_id] = now
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
+
+    def _prompt_sources(self, prompt: int, cached: int) -> None:
+        """A started request's prompt tokens, by source: they add up to ``vllm:prompt_tokens``."""
+        self.by_source["local_compute"].inc(prompt - cached)
+        self.by_source["local_cache_hit"].inc(cached)
+        self.cached_tokens.inc(cached)
+        self.cached_by_source["device"].inc(cached)
+        self.prefill_computed.observe(prompt - cached)
 
     def ended(self, seq_id: int, reason: str) -> None:
         """A request aborted before it finished (``reason``: abort, or stop for stop strings)."""
@@ -141,6 +198,13 @@ class Metrics:
             g.add_metric(name, value)
             return g
 
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's configuration, in the labels (value 1).",
+            labels=list(self.cache_config),
+        )
+        info.add_metric(list(self.cache_config.values()), 1.0)
+        yield info
         used = snap.num_used_blocks if snap else 0
         cached = snap.num_cached_free_blocks if snap else 0
         free = snap.num_free_blocks - cached if snap else self.num_blocks
@@ -181,3 +245,61 @@ class Metrics:
 
     def text(self) -> bytes:
         return prometheus_text(self.registry)
+
+
+class BlockResidency:
+    """vLLM's KV block residency histograms, fed by the engine's events (engine thread).
+
+    vLLM samples 1% of its blocks behind ``--kv-cache-metrics``; nanokv's books see every
+    block's life anyway, so every block counts, always. A block's content lives from the
+    allocation that gave it new tokens until the block is allocated again, for other tokens
+    (its K/V are then overwritten): that is its lifetime, and the time since its last use (the
+    allocation or a hit) is how long it sat idle before eviction. A hit on it (shared, revived,
+    or read as a copy's source) is a reuse, ``reuse_gap`` after the use before.
+    """
+
+    def __init__(self, registry, model_name: str, clock: Callable[[], float] = time.monotonic):
+        def histogram(name: str, doc: str):
+            return Histogram(
+                name, doc, ["model_name"], buckets=_RESIDENCY_BUCKETS, registry=registry
+            ).labels(model_name)
+
+        self.lifetime = histogram(
+            "vllm:kv_block_lifetime_seconds",
+            "A block's content, from its allocation until the block held other tokens.",
+        )
+        self.idle_before_evict = histogram(
+            "vllm:kv_block_idle_before_evict_seconds",
+            "Time from a block content's last use until the block held other tokens.",
+        )
+        self.reuse_gap = histogram(
+            "vllm:kv_block_reuse_gap_seconds",
+            "Time between two uses of a block's content (its allocation, then each hit).",
+        )
+        self.clock = clock
+        self.born: dict[int, float] = {}  # block id -> when its content was allocated
+        self.used: dict[int, float] = {}  # block id -> its content's last use
+
+    def __call__(self, event) -> None:
+        t = type(event)
+        if t is BlockAllocated:
+            now, block = self.clock(), event.block_id
+            born = self.born.get(block)
+            if born is not None:
+                self.lifetime.observe(now - born)
+                self.idle_before_evict.observe(now - self.used[block])
+            self.born[block] = self.used[block] = now
+        elif t is BlockHit:
+            self._reused(event.block_id)
+        elif t is BlockCopied:
+            self._reused(event.source_block_id)
+        elif t is AllBlocksCleared:
+            self.born.clear()
+            self.used.clear()
+
+    def _reused(self, block: int) -> None:
+        now = self.clock()
+        last = self.used.get(block)
+        if last is not None:
+            self.reuse_gap.observe(now - last)
+        self.used[block] = now

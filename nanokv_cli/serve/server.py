@@ -120,7 +120,12 @@ def serve(
         record=record,
         trace_source=url,
     ) as run:
-        metrics = Metrics(model_name, engine.num_blocks, lambda: run.stats.last)
+        metrics = Metrics(
+            model_name,
+            engine.num_blocks,
+            lambda: run.stats.last,
+            cache_config=cache_config_labels(llm, engine),
+        )
         engine_loop = EngineLoop(engine, run, metrics)
         state = ServerState(
             llm,
@@ -134,6 +139,7 @@ def serve(
         app = create_app(state, limits)
         state.cache_stream = stream = _cache_stream(llm, model_name, limits)
         with ExitStack() as stack:
+            stack.callback(engine.events.subscribe(metrics.residency))
             view = _enter_observers(stack, engine, url, live, console, kv_events)
             uconfig = uvicorn_config(app, limits, live=live, shutdown_timeout=shutdown_timeout)
             server = UvicornServer(uconfig, functools.partial(_on_signal, engine_loop))
@@ -148,6 +154,23 @@ def serve(
         write_json_atomic(report, result)
     code = 1 if engine_loop.error is not None else (130 if interrupted else 0)
     return ServeResult(code, result, interrupted)
+
+
+def cache_config_labels(llm, engine) -> dict[str, Any]:
+    """``vllm:cache_config_info``'s labels, vLLM's names: what a router sizes its model of this
+    cache by (the Gateway API Inference Extension and llm-d read block_size and
+    num_gpu_blocks; num_gpu_blocks is the engine's cache on any device, as in vLLM's CPU
+    back end)."""
+    plan = getattr(getattr(llm, "model_runner", None), "plan", None)
+    dtype = getattr(plan, "kv_cache_dtype", None)
+    return {
+        "block_size": engine.block_size,
+        "num_gpu_blocks": engine.num_blocks,
+        "num_cpu_blocks": 0,  # no second tier
+        "cache_dtype": "auto" if dtype is None else str(dtype).removeprefix("torch."),
+        "enable_prefix_caching": engine.config.enable_prefix_caching,
+        "prefix_caching_hash_algo": "xxhash",
+    }
 
 
 def _enter_observers(stack: ExitStack, engine, url: str, live: bool, console, kv_events):

@@ -11,7 +11,9 @@ from ..kv_events import export_batches
 if TYPE_CHECKING:
     from .reader import TraceReader
 
-EXPORT_FORMATS = ("jsonl", "vllm-kv-events")
+# vLLM's KV event stream in each encoding (kv_events.py): today's tagged maps, the old arrays.
+KV_EVENT_FORMATS = {"vllm-kv-events": "map", "vllm-kv-events-array": "array"}
+EXPORT_FORMATS = ("jsonl", *KV_EVENT_FORMATS)
 
 
 def export(reader: TraceReader, fmt: str, out: IO[bytes]) -> int:
@@ -21,7 +23,8 @@ def export(reader: TraceReader, fmt: str, out: IO[bytes]) -> int:
     ``vllm-kv-events``: vLLM's KV event stream, one msgpack ``KVEventBatch`` per step that
     changed the prefix cache, encoded as ``serve --kv-events-config`` publishes it (one place:
     ``kv_events.py``), so a consumer of vLLM's events (a KV-aware router, a dashboard) can read
-    what this run's cache did.
+    what this run's cache did. ``vllm-kv-events-array``: the same in vLLM's older positional
+    encoding.
     """
     if fmt == "jsonl":
         header = {**reader.header, "version": 1}
@@ -31,11 +34,11 @@ def export(reader: TraceReader, fmt: str, out: IO[bytes]) -> int:
             out.write((json.dumps(event_to_dict(event), separators=(",", ":")) + "\n").encode())
             n += 1
         return n
-    if fmt != "vllm-kv-events":
+    if fmt not in KV_EVENT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r} (choose from {', '.join(EXPORT_FORMATS)})")
     start = reader.header.get("created_unix", 0.0)
     n = 0
-    for payload in export_batches(reader.events(), reader.block_size, start):
+    for payload in export_batches(reader.events(), reader.block_size, start, KV_EVENT_FORMATS[fmt]):
         out.write(payload)
         n += 1
     return n
