@@ -52,6 +52,7 @@ from .advise_workload import (
     trace_workload,
 )
 from .divergence import Decode, PrefixIndex
+from .driver import RunError
 from .engine.config import EngineConfig
 from .engine.mooncake import MOONCAKE_BLOCK_SIZE, SynthesizedPrompt
 
@@ -91,6 +92,9 @@ def advise(workload: Workload, base: EngineConfig, jobs: int = 1) -> dict[str, A
     points = grid(workload, base, moved)
     runs = evaluate(points, inputs, jobs)
     now = runs[0]
+    if workload.requests and not now["requests"]:
+        # Nothing to advise on; say why as replay does, not with a hit rate of 0 of 0.
+        raise RunError(f"every request was rejected; the first: {now['first_rejection']}")
     rows = [_row(p, r, now) for p, r in zip(points, runs)]
     bounds = {r["label"]: r for r in rows if r["kind"] == "bound"}
     # The never-evicting cache is a setting too (a bigger --num-blocks); block size 1 is not
@@ -186,8 +190,8 @@ def divergence_points(workload: Workload, top: int = TOP_POINTS) -> list[dict[st
             div = index.add(i, p)
         else:
             continue  # refused before its tokens were made
-        if div is None:
-            continue
+        if div is None or div.ends_here:
+            continue  # nothing shared, or all of it: an earlier prompt repeats it (no parting)
         key = div.group
         if lines.decode is not None and not index.hashed:
             tokens = index.tokens(i)
@@ -256,7 +260,10 @@ def notes(workload: Workload, base: EngineConfig, now: dict[str, Any]) -> list[s
             "would each be a block"
         )
     if now["rejected"]:
-        out.append(f"{now['rejected']:,} requests were too big for the cache and left out")
+        out.append(
+            f"{now['rejected']:,} of {now['rejected'] + now['requests']:,} requests were left "
+            f"out, as replay leaves them out (the first: {now['first_rejection']})"
+        )
     if workload.kind == "trace" and workload.recorded and not workload.recorded["dry_run"]:
         out.append(
             "the trace is of a model run: its requests are run again as a dry run (same prompts, "

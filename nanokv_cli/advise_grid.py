@@ -46,10 +46,13 @@ def dry_run(requests: list[Request], config: EngineConfig) -> dict[str, Any]:
     and building an event for every block change takes about half of a listened run."""
     engine, clock = dry_run_engine(config)
     rejected = 0
+    first_rejection = None
 
     def on_rejected(req: Request, error: Exception) -> None:
-        nonlocal rejected
+        nonlocal rejected, first_rejection
         rejected += 1
+        if first_rejection is None:
+            first_rejection = f"line {req.tag}: {error}" if req.tag is not None else str(error)
 
     t0 = time.perf_counter()
     steps = 0
@@ -68,6 +71,7 @@ def dry_run(requests: list[Request], config: EngineConfig) -> dict[str, Any]:
         "preemptions": s.preemptions,
         "requests": len(requests) - rejected,
         "rejected": rejected,
+        "first_rejection": first_rejection,  # why (the engine's words), or None
         "steps": steps,
         "wall_time_s": time.perf_counter() - t0,
         "below_block_prompts": prompts,

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -212,7 +213,10 @@ _TYPES = {
     "encoding": str,
 }
 _COUNTS = ("buffer_steps", "hwm", "max_queue_size")
-_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# ZMQ takes a high-water mark as a C int, and the replay socket's is twice buffer_steps.
+MAX_COUNT = 2**30 - 1
+# inproc:// reaches only sockets in this process: no router could subscribe.
+_SCHEMES = ("tcp://", "ipc://")
 
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
@@ -230,6 +234,13 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
     for key, value in obj.items():
         _check_value(key, value)
     config = KVEventsConfig(**obj)
+    if _same_address(config.endpoint, config.replay_endpoint):
+        # Bound twice, the replay socket would take the address (an ipc file is replaced)
+        # and subscribers would receive nothing.
+        raise ValueError(
+            f"endpoint and replay_endpoint name one address ({config.replay_endpoint}): "
+            "give each its own"
+        )
     if config.publisher is None:  # vLLM's default: zmq once events are on
         config = replace(config, publisher="zmq" if config.enable_kv_cache_events else "null")
     return config
@@ -243,12 +254,48 @@ def _check_value(key: str, value: Any) -> None:
             raise ValueError(f"unknown publisher {value!r} (choose from zmq, null)")
         if key == "encoding" and value not in ENCODINGS:
             raise ValueError(f"unknown encoding {value!r} (choose from {', '.join(ENCODINGS)})")
+        if isinstance(value, str) and not _encodable(value):
+            raise ValueError(f"{key} must be valid UTF-8 text (it has a lone surrogate)")
     elif key in _COUNTS:
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{key} must be a whole number >= 1, got {value!r}")
+        if type(value) is not int or not 1 <= value <= MAX_COUNT:
+            shown = value if len(repr(value)) <= 40 else f"{repr(value)[:20]}..."
+            raise ValueError(f"{key} must be a whole number from 1 to {MAX_COUNT:,}, got {shown}")
     if key in ("endpoint", "replay_endpoint") and value is not None:
-        if not isinstance(value, str) or not value.startswith(_SCHEMES):
-            raise ValueError(f"{key} must be a ZMQ address like tcp://*:5557, got {value!r}")
+        _check_endpoint(key, value)
+
+
+def _same_address(endpoint: str, replay: str | None) -> bool:
+    """Whether two endpoints would bind one address (a wildcard port picks two free ones)."""
+    if replay is None or endpoint.endswith(":*"):
+        return False
+    if endpoint.startswith("ipc://") and replay.startswith("ipc://"):
+        paths = (endpoint.removeprefix("ipc://"), replay.removeprefix("ipc://"))
+        return os.path.realpath(paths[0]) == os.path.realpath(paths[1])
+    return endpoint == replay
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_endpoint(key: str, value: Any) -> None:
+    """A ZMQ address another process can reach: tcp://HOST:PORT (PORT 1-65535, or * for any
+    free one) or ipc://PATH."""
+    example = "like tcp://*:5557 or ipc:///tmp/kv-events"
+    if not isinstance(value, str) or not value.startswith(_SCHEMES) or not _encodable(value):
+        if isinstance(value, str) and value.startswith("inproc://"):
+            raise ValueError(f"{key} {value}: inproc:// reaches no other process ({example})")
+        raise ValueError(f"{key} must be a ZMQ address {example}, got {value!r}")
+    if value.startswith("tcp://"):
+        host, _, port = value.removeprefix("tcp://").rpartition(":")
+        if not host or not (port == "*" or (port.isdigit() and 1 <= int(port) <= 65535)):
+            raise ValueError(f"{key} {value}: the port must be 1-65535 or * ({example})")
+    elif value == "ipc://":
+        raise ValueError(f"{key} {value}: an ipc address needs a path ({example})")
 
 
 # -- the publisher -------------------------------------------------------------------------------
@@ -308,7 +355,7 @@ class ZmqKVEventPublisher:
         # A replay sends the whole buffer at most. A ROUTER drops what exceeds its high-water
         # mark, which counts a reader's progress only every half mark: twice the buffer is
         # room for a whole replay to a client that reads (libzmq's default, 1000, is not).
-        sock.setsockopt(zmq.SNDHWM, 2 * (self.config.buffer_steps + 1))
+        sock.setsockopt(zmq.SNDHWM, min(2 * (self.config.buffer_steps + 1), 2**31 - 1))
         sock.setsockopt(zmq.LINGER, 0)
         _bind(sock, ep, "replay_endpoint")
         return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)

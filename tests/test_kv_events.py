@@ -312,11 +312,37 @@ def test_the_setting_takes_vllms_keys_and_refuses_anything_else():
         ('{"enable_kv_cache_events": "yes"}', "must be a bool"),
         ('{"endpoint": "localhost:5557"}', "must be a ZMQ address"),
         ('{"encoding": "tuple"}', "unknown encoding 'tuple' (choose from map, array)"),
+        # Accepted once, then wrong or a crash (issue #49, items 11, 12, 16 and 24):
+        ('{"endpoint": "tcp://*:99999"}', "the port must be 1-65535 or *"),
+        ('{"endpoint": "tcp://*:0"}', "the port must be 1-65535 or *"),
+        ('{"endpoint": "inproc://kv"}', "inproc:// reaches no other process"),
+        ('{"endpoint": "ipc:///tmp/kv", "replay_endpoint": "ipc:///tmp/./kv"}', "one address"),
+        ('{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5557"}', "one address"),
+        ('{"hwm": 99999999999999999999999}', "hwm must be a whole number from 1 to"),
+        ('{"buffer_steps": 2147483648}', "buffer_steps must be a whole number from 1 to"),
+        ('{"topic": "kv\\ud800"}', "topic must be valid UTF-8 text"),
     ]:
         result = CliRunner().invoke(app, ["serve", "--kv-events-config", bad])
         assert result.exit_code == 2, result.output
         text = " ".join(result.output.replace("│", " ").split())  # unboxed: one line
         assert "Invalid value for '--kv-events-config'" in text and says in text, text
+
+
+def test_the_largest_counts_the_setting_takes_start_a_publisher():
+    top = 2**30 - 1
+    text = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "endpoint": LOOPBACK,
+            "replay_endpoint": LOOPBACK,
+            **{key: top for key in ("buffer_steps", "hwm", "max_queue_size")},
+        }
+    )
+    publisher = ZmqKVEventPublisher(parse_kv_events_config(text), BS)  # no OverflowError
+    try:
+        assert publisher.endpoint != publisher.replay_endpoint  # two wildcard ports: two ports
+    finally:
+        publisher.close()
 
 
 def test_a_taken_endpoint_is_a_clear_error():

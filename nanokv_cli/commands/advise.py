@@ -134,4 +134,4 @@ def advise_cmd(
         return
     from ..views.advise import render_advice
 
-    stdout_console().print(render_advice(advice))
+    stdout_console().print(render_advice(advice), crop=False)  # numbers are never cut

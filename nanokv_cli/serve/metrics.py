@@ -85,33 +85,7 @@ class Metrics:
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens of started requests.", label, registry=reg
         ).labels(model_name)
-        by_source = Counter(
-            "vllm:prompt_tokens_by_source",
-            "Prompt tokens of started requests by where their K/V came from.",
-            ["model_name", "source"],
-            registry=reg,
-        )
-        self.by_source = {s: by_source.labels(model_name, s) for s in PROMPT_SOURCES}
-        self.cached_tokens = Counter(
-            "vllm:prompt_tokens_cached",
-            "Prompt tokens of started requests served from a cache.",
-            label,
-            registry=reg,
-        ).labels(model_name)
-        cached_by_source = Counter(
-            "vllm:prompt_tokens_cached_by_source",
-            "Prompt tokens served from a cache, by the tier that held them.",
-            ["model_name", "source"],
-            registry=reg,
-        )
-        self.cached_by_source = {s: cached_by_source.labels(model_name, s) for s in CACHED_SOURCES}
-        self.prefill_computed = Histogram(
-            "vllm:request_prefill_kv_computed_tokens",
-            "Prompt tokens a request's prefill computed (its prompt less the cached tokens).",
-            label,
-            buckets=_TOKEN_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
+        self._prompt_source_metrics(reg, model_name)
         self.residency = BlockResidency(reg, model_name)
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Generated tokens.", label, registry=reg
@@ -151,6 +125,36 @@ class Metrics:
         ).labels(model_name)
         reg.register(self)
         self._last_token: dict[int, float] = {}
+
+    def _prompt_source_metrics(self, reg: CollectorRegistry, model_name: str) -> None:
+        """Where started requests' prompt tokens came from: vLLM's by-source counters."""
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens of started requests by where their K/V came from.",
+            ["model_name", "source"],
+            registry=reg,
+        )
+        self.by_source = {s: by_source.labels(model_name, s) for s in PROMPT_SOURCES}
+        self.cached_tokens = Counter(
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens of started requests served from a cache.",
+            ["model_name"],
+            registry=reg,
+        ).labels(model_name)
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prompt tokens served from a cache, by the tier that held them.",
+            ["model_name", "source"],
+            registry=reg,
+        )
+        self.cached_by_source = {s: cached_by_source.labels(model_name, s) for s in CACHED_SOURCES}
+        self.prefill_computed = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens a request's prefill computed (its prompt less the cached tokens).",
+            ["model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
 
     def observe(self, outputs, now: float) -> None:
         """One step's outputs (engine thread)."""

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -135,25 +136,47 @@ def _changes(advice: dict[str, Any]) -> Text:
 
 
 def _grid(rows: list[dict[str, Any]]) -> RenderableType:
-    table = Table(title="Every run", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    table.add_column("run", min_width=22, no_wrap=True, overflow="ellipsis")
-    table.add_column("block", justify="right", no_wrap=True)
-    table.add_column("blocks", justify="right", no_wrap=True)
+    """Every run's settings and numbers. A narrow terminal or pipe wraps the run's name, never
+    a number: each number column is as wide as its widest cell."""
     has_mode = any("prefix_match" in r for r in rows)
-    if has_mode:
-        table.add_column("match", no_wrap=True)
-    table.add_column("hit rate", justify="right", no_wrap=True, min_width=8)
-    table.add_column("gain", justify="right", no_wrap=True)
-    table.add_column("evictions", justify="right", no_wrap=True, min_width=9)
+    header = ["block", "blocks", *(["match"] if has_mode else []), "hit rate", "gain", "evictions"]
+    body = []
     for r in rows:
-        cells = [r["label"], str(r["block_size"]), f"{r['num_blocks']:,}"]
+        cells = [str(r["block_size"]), f"{r['num_blocks']:,}"]
         if has_mode:
             cells.append(r.get("prefix_match", "") if r["prefix_caching"] else "off")
         gain = "" if r["kind"] == "now" else f"{r['gain'] * 100:+.1f}"
         cells += [_pct(r["hit_rate"]), gain, f"{r['evictions']:,}"]
+        body.append(cells)
+    table = Table(title="Every run", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    label_width = 10
+    table.add_column("run", min_width=label_width, overflow="fold")
+    needed = label_width + 2
+    for i, name in enumerate(header):
+        width = max(len(name), *(len(cells[i]) for cells in body))
+        justify = "left" if name == "match" else "right"
+        table.add_column(name, justify=justify, no_wrap=True, min_width=width)
+        needed += width + 2  # a column's padding
+    for r, cells in zip(rows, body):
         style = "bold" if r["kind"] == "now" else "dim" if r["kind"] == "bound" else None
-        table.add_row(*cells, style=style)
-    return table
+        table.add_row(r["label"], *cells, style=style)
+    return AtLeast(table, needed + 2)
+
+
+class AtLeast:
+    """A renderable laid out at least ``width`` columns wide, however narrow the console: past
+    the terminal's width its lines run on (print it with ``crop=False``) instead of losing
+    cells."""
+
+    def __init__(self, renderable: RenderableType, width: int) -> None:
+        self.renderable, self.width = renderable, width
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = max(options.max_width, self.width)
+        yield from console.render(self.renderable, options.update(width=width))
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(self.width, max(self.width, options.max_width))
 
 
 def _notes(notes: list[str]) -> Text:

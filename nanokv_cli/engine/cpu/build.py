@@ -16,7 +16,7 @@ truncated build, an older nanokv's, one built from another table) is rebuilt, ne
 ``NANOKV_CPU_ISA`` forces a variant (``generic``, ``avx2``, ``avx512``, any case): that is how
 the test suite runs the plain-C and AVX2 paths on an AVX-512 machine. Asking for a variant this
 CPU cannot run, or one that does not exist, is an error naming the valid ones, not a silent
-fallback. ``NANOKV_CPU_KERNELS=0`` switches the kernels off. Without a compiler the kernels are
+fallback. ``NANOKV_CPU_KERNELS=0`` (or false, off, no) switches the kernels off. Without a compiler the kernels are
 unavailable: ``kernels(...).missing`` says why, what it costs and how to fix it, and every
 caller stays on torch (and quantized formats are unavailable).
 """
@@ -145,8 +145,31 @@ def choose_variant(features: frozenset[str], forced: str | None = None) -> IsaVa
     )
 
 
+# NANOKV_CPU_KERNELS's spellings, any case; unset or empty means on.
+_SWITCH_OFF = ("0", "false", "off", "no")
+_SWITCH_ON = ("", "1", "true", "on", "yes")
+
+
+def switched_off() -> bool:
+    """Whether ``NANOKV_CPU_KERNELS`` switches the kernels off; a value that is neither an off
+    nor an on spelling raises KernelVariantError (a typo must not leave them on silently)."""
+    value = os.environ.get(SWITCH_VARIABLE, "")
+    word = value.strip().lower()
+    if word in _SWITCH_OFF:
+        return True
+    if word in _SWITCH_ON:
+        return False
+    raise KernelVariantError(
+        f"{SWITCH_VARIABLE}={value[:40]!r}: set it to {'/'.join(_SWITCH_OFF)} to switch the "
+        f"kernels off, or {'/'.join(_SWITCH_ON[1:])} (or unset it) to run them"
+    )
+
+
 def active_variant() -> IsaVariant:
-    """The variant this process runs (``NANOKV_CPU_ISA`` or the best for this CPU)."""
+    """The variant this process runs (``NANOKV_CPU_ISA`` or the best for this CPU). Both
+    kernel variables are checked here, so a bad value of either fails where the variant is
+    chosen, before a model loads."""
+    switched_off()
     return choose_variant(cpu_features(), os.environ.get(ISA_VARIABLE))
 
 
@@ -217,8 +240,9 @@ def kernels(symbols: tuple[str, ...] = ()) -> Kernels:
     (no compiler, no sources, a failed build) leaves ``lib`` None with the reason in
     ``missing``."""
     variant = active_variant()
-    if os.environ.get(SWITCH_VARIABLE, "1") == "0":
-        return Kernels(None, variant, None, False, f"{SWITCH_VARIABLE}=0", switched_off=True)
+    if switched_off():
+        setting = f"{SWITCH_VARIABLE}={os.environ[SWITCH_VARIABLE]}"
+        return Kernels(None, variant, None, False, setting, switched_off=True)
     try:
         lib, path, built = _load(variant, symbols)
     except (OSError, KernelBuildError, subprocess.SubprocessError) as e:
