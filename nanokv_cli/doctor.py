@@ -33,7 +33,7 @@ def run_checks() -> list[Check]:
     """Every check, in the order a reader needs them."""
     checks = [_nanokv(), _python(), _torch(), _cpu()]
     checks += _kernels()
-    checks += [_threads(), _memory(), _default_model(), _cuda()]
+    checks += [_threads(), _memory(), _default_model(), _cuda(), _cuda_attention()]
     checks += _optional_parts()
     return checks
 
@@ -335,6 +335,27 @@ def _cuda() -> Check:
         return Check("cuda", "ok", f"none ({why}): models run on the CPU", {"devices": []})
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return Check("cuda", "ok", ", ".join(names), {"devices": names})  # pragma: no cover - GPU
+
+
+def _cuda_attention() -> Check:
+    """The attention back end a CUDA run with the default settings would use, and why: on any
+    machine, so a CPU-only one says what this install would give on a GPU."""
+    import torch
+
+    from .engine.config import EngineConfig
+    from .engine.run_plan import AttentionKernels, captures_graphs, choose_attention, resolve_dtype
+
+    defaults, cuda = EngineConfig(), torch.device("cuda")
+    # The CUDA default dtype: bfloat16 where the GPU has it (Ampere on), as on a GPU here.
+    dtype = resolve_dtype(None, cuda) if torch.cuda.is_available() else torch.bfloat16
+    choice = choose_attention("auto", cuda, dtype, defaults.block_size, AttentionKernels.here())
+    graphs = captures_graphs(choice.kind, cuda, defaults.enforce_eager)
+    value = f"{choice.kind}{' with CUDA graphs' if graphs else ''}: {choice.reason}"
+    detail = {"backend": choice.kind, "reason": choice.reason, "cuda_graphs": graphs}
+    if choice.kind == "sdpa":
+        advice = "pip install triton (torch's CUDA wheels bring it) for paged attention kernels"
+        return Check("cuda attention", "info", value, detail, advice)
+    return Check("cuda attention", "ok", value, detail)
 
 
 # (name, modules, what it serves, how to add it)

@@ -59,7 +59,23 @@ QWEN3_0_6B: dict[str, Any] = {
     "vocab_size": 151936,
 }
 
-RANDOM_CONFIGS = {"qwen3-0.6b": QWEN3_0_6B}
+# The same architecture at the tiny shapes of scripts/gpu_check.sh --dry (the Triton kernels
+# under the interpreter on CPU): GQA, head_dim 32, every random prompt id (< 10,000) in range.
+QWEN3_TINY = {
+    **QWEN3_0_6B,
+    "head_dim": 32,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "max_window_layers": 2,
+    "vocab_size": 10240,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+RANDOM_CONFIGS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-tiny": QWEN3_TINY}
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,13 @@ nanokv is compared against the fastest of them.
 weights (``--random-weights qwen3-0.6b``), bf16, 256 sequences, 100-1024 input and output tokens,
 CUDA graphs on, max_model_len 4096. transformers then runs only the first ``--hf-seqs`` sequences
 (default 64 on CUDA: 16 sub-batches of up to 2k tokens would take many minutes), and its rate is
-that subset's useful tokens over its time.
+that subset's useful tokens over its time. ``--hf-continuous`` runs transformers' continuous
+batching instead (``generate_batch``, its paged cache), on every sequence: the comparison
+issue 44 asks for. On CUDA the roofline is the bandwidth bound alone: every step reads the
+weights once and each row its context's K/V, at the device-to-device copy bandwidth measured.
+
+``--attention-backend`` is nanokv's (auto, triton, flash, sdpa, paged-c); ``--enforce-eager``
+turns CUDA graphs off.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from roofline import (  # noqa: E402
 )
 
 from nanokv_cli import LLM, SamplingParams  # noqa: E402
+from nanokv_cli.engine.config import ATTENTION_BACKENDS  # noqa: E402
 from nanokv_cli.engine.cpu import kernels as cpu_kernels  # noqa: E402
 
 
@@ -91,6 +98,14 @@ def parse_args() -> argparse.Namespace:
         "--kv-cache-gib", type=float, default=None, help="nanokv CPU KV cache (default: LLM's)"
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="nanokv's"
+    )
+    p.add_argument(
+        "--hf-continuous",
+        action="store_true",
+        help="transformers' continuous batching (generate_batch, paged cache), all sequences",
+    )
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     if cuda and args.model is None and args.random_weights is None:
@@ -103,7 +118,7 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.hf_seqs is None:
-        args.hf_seqs = 64 if cuda and not args.quick else args.num_seqs
+        args.hf_seqs = 64 if cuda and not args.quick and not args.hf_continuous else args.num_seqs
     args.modes = parse_modes(p, args.modes or ("none" if cuda else "auto,none"), args.device)
     default_dtypes = args.dtype if cuda or args.dtype != "auto" else "float32,bfloat16"
     args.hf_dtypes = [d.strip() for d in (args.hf_dtypes or default_dtypes).split(",")]
@@ -128,7 +143,11 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
 
 def run_nanokv(args: argparse.Namespace, source, mode: str, prompts, max_tokens) -> dict:
     kwargs = dict(
-        dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, quantization=mode
+        dtype=args.dtype,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+        quantization=mode,
+        attention_backend=args.attention_backend,
     )
     if args.block_size:
         kwargs["block_size"] = args.block_size
@@ -160,6 +179,8 @@ def run_nanokv(args: argparse.Namespace, source, mode: str, prompts, max_tokens)
         "dtype": str(llm.model_runner.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(llm.model_runner.kv_cache_dtype).removeprefix("torch."),
         "quantization": llm.quantization or "none",
+        "attention": llm.model_runner.plan.attention,
+        "cuda_graphs": llm.model_runner.plan.cuda_graphs,
         "roofline": workload_roofline(
             llm, mode, prompts, max_tokens, seconds, llm.engine.num_steps - steps_before
         ),
@@ -175,6 +196,8 @@ def workload_roofline(llm, mode, prompts, max_tokens, seconds, steps) -> dict | 
     weights once and each decode row its context's K/V (at the read bandwidth measured here),
     and every prompt and output token costs its FLOPs (at the kernels' peak); the tighter of
     the two binds."""
+    if llm.model_runner.device.type == "cuda":
+        return cuda_roofline(llm, prompts, max_tokens, seconds, steps)
     if not (cpu_kernels.available() and llm.model_runner.device.type == "cpu"):
         return None
     threads = torch.get_num_threads()
@@ -199,10 +222,37 @@ def workload_roofline(llm, mode, prompts, max_tokens, seconds, steps) -> dict | 
     }
 
 
+def cuda_roofline(llm, prompts, max_tokens, seconds, steps) -> dict:
+    """The bandwidth bound on CUDA: the weights once per step, plus each row's K/V, at the
+    device's copy bandwidth (measured: the best of a few 1 GiB copies, read + write)."""
+    bandwidth = copy_bandwidth(str(llm.model_runner.device))
+    weights = decode_bytes(llm, 0)
+    per_position = decode_bytes(llm, 1) - weights
+    kv_reads = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, max_tokens))
+    bound = (steps * weights + kv_reads * per_position) / bandwidth
+    return {
+        "read_bytes_per_s": bandwidth,
+        "kernel_peak_flops": 0.0,
+        "bound_seconds": bound,
+        "binds": "bandwidth",
+        "fraction": bound / seconds,
+    }
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Bytes/s a device-to-device copy moves (read + write), the best of 5."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = min(timed(lambda: dst.copy_(src), device)[0] for _ in range(5))
+    return 2 * nbytes / best
+
+
 def run_transformers(
     args: argparse.Namespace, folder: str, dtype_name: str, prompts, max_tokens
 ) -> dict:
     dtype = resolve_dtype_name(dtype_name, args.device)
+    if args.hf_continuous:
+        return run_transformers_continuous(args, folder, dtype, prompts, max_tokens)
     model = load_transformers(folder, dtype, args.device)
     n = min(args.hf_seqs, len(prompts))
     hf_generate(model, [prompts[0][:8]], 4, temperature=args.temperature, device=args.device)
@@ -224,6 +274,49 @@ def run_transformers(
         "tok_s": useful / total,
         "seqs": n,
         "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def run_transformers_continuous(args, folder: str, dtype, prompts, max_tokens) -> dict:
+    """transformers' continuous batching (``generate_batch`` over its paged cache) on every
+    sequence. It takes one ``max_new_tokens`` for the batch, so each sequence runs to the
+    longest; only the useful tokens (the sum of ``max_tokens``) count, as for ``generate``."""
+    import transformers
+
+    # SDPA: generate_batch picks its paged attention itself (transformers 5: "sdpa" or a
+    # flash implementation; eager runs as "paged|eager").
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation="sdpa"
+    )
+    model = model.to(args.device).eval()
+    config = transformers.GenerationConfig(
+        max_new_tokens=max(max_tokens),
+        do_sample=args.temperature > 0,
+        temperature=args.temperature or None,
+        eos_token_id=-1,  # ignore EOS, as nanokv's ignore_eos
+        pad_token_id=0,
+    )
+    extra = {}
+    if not args.device.startswith("cuda"):
+        # On CPU it would size its cache from memory it cannot measure without psutil (and
+        # page in gigabytes): give it what the workload needs, in its 256-token pages.
+        pages = sum(-(-(len(p) + max(max_tokens)) // 256) for p in prompts)
+        extra["continuous_batching_config"] = transformers.ContinuousBatchingConfig(
+            num_blocks=pages + 1, max_batch_tokens=512
+        )
+    with torch.inference_mode():
+        model.generate_batch([prompts[0][:8]], generation_config=config, **extra)  # warm-up
+        seconds, outs = timed(
+            lambda: model.generate_batch(prompts, generation_config=config, **extra), args.device
+        )
+    useful = sum(max_tokens)
+    return {
+        "seconds": seconds,
+        "output_tokens": useful,
+        "tok_s": useful / seconds,
+        "seqs": len(outs),
+        "dtype": str(dtype).removeprefix("torch."),
+        "continuous": True,
     }
 
 
@@ -265,7 +358,8 @@ def main() -> None:
         lines.append(
             f"nanokv {mode:5s}: {r['output_tokens']:6d} tok in {r['seconds']:7.2f} s = "
             f"{r['tok_s']:8.1f} tok/s ({r['steps']} steps, {r['preemptions']} preemptions; "
-            f"runs as {r['quantization']} on a {r['dtype']} model, {r['kv_cache_dtype']} K/V)"
+            f"runs as {r['quantization']} on a {r['dtype']} model, {r['kv_cache_dtype']} K/V; "
+            f"{r['attention']} attention{', CUDA graphs' if r['cuda_graphs'] else ''})"
         )
         if r["roofline"]:
             limit = r["roofline"]
@@ -278,8 +372,12 @@ def main() -> None:
     for r in runs:
         lines.append(
             f"transformers {r['dtype']}: {r['output_tokens']:6d} tok in {r['seconds']:7.2f} s = "
-            f"{r['tok_s']:8.1f} tok/s (first {r['seqs']} seqs, sub-batches of "
-            f"{args.hf_batch_size})"
+            f"{r['tok_s']:8.1f} tok/s ({r['seqs']} seqs, "
+            + (
+                "continuous batching)"
+                if args.hf_continuous
+                else f"sub-batches of {args.hf_batch_size})"
+            )
         )
     if hf is not None:
         lines += [

@@ -219,6 +219,9 @@ def test_config_bounds_name_the_field_and_the_range(tmp_path):
         ("vocab_size", True, "an integer from 1 to 4,194,304"),
         ("tie_word_embeddings", "false", "true or false"),
         ("eos_token_id", ["2"], "token ids are integers >= 0"),
+        # Past the embedding: it could never be sampled, so never stop generation (issue #49).
+        ("eos_token_id", 320, "outside the vocabulary (320 ids: 0 to 319)"),
+        ("bos_token_id", -1, "outside the vocabulary (320 ids"),
     ]:
         with pytest.raises(ValueError, match=f"{key}.*{re.escape(message)}"):
             ModelConfig.from_hf({**raw, key: value})

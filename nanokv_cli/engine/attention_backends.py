@@ -6,6 +6,8 @@ plan's back end describes it for attention (``layers/attention.py`` runs it):
 - ``PagedC``: every row, decode or prompt, for the CPU's C kernel, which reads K/V in place.
 - ``Sdpa``: decodes in length buckets (one gather and one SDPA call each), prompts per chunk.
 - ``Flash``: flash-attn's paged kernels on CUDA.
+- ``Triton``: every row, decode or prompt, in one launch of our Triton kernel, which reads K/V
+  in place (CUDA; CPU tensors under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .layers.attention import (
 )
 from .run_plan import RunPlan
 from .sequence import Sequence
+from .triton_attention import describe as describe_triton
 
 # Decode queries are split into at most this many length buckets of at least this many
 # sequences: a bucket is padded to its own longest context, and each bucket costs one gather
@@ -193,15 +196,42 @@ class Flash:  # pragma: no cover - GPU
         )
 
 
-Backend = PagedC | Sdpa | Flash
+@dataclass
+class Triton:
+    """Every row of a step for our Triton kernel (``triton_attention.py``): the sequences in
+    the batch's order, each with its rows, context and block table; the kernel reads K/V in
+    place, so prompt chunks over a cached prefix need no gather and no mask."""
+
+    block_size: int
+    group: int  # query heads per KV head
+    kv_heads: int  # this rank's
+    sorts_decodes = False  # no length buckets: a program per query tile
+
+    def describe(
+        self,
+        meta: AttentionMetadata,
+        seqs: list[Sequence],
+        contexts: list[int],
+        _singles: int,
+        _chunks: list[Chunk],
+    ) -> None:
+        tables = block_tables(seqs, _cdiv(max(contexts), self.block_size), torch.int32)
+        q_lens = [s.num_scheduled_tokens for s in seqs]
+        meta.triton = describe_triton(q_lens, contexts, tables, self.group, self.kv_heads)
 
 
-def backend_for(plan: RunPlan, kv_heads: int, head_dim: int) -> Backend:
-    """The plan's attention back end (``kv_heads``: this rank's)."""
+Backend = PagedC | Sdpa | Flash | Triton
+
+
+def backend_for(plan: RunPlan, kv_heads: int, head_dim: int, group: int = 1) -> Backend:
+    """The plan's attention back end (``kv_heads``: this rank's; ``group``: query heads per
+    KV head)."""
     if plan.attention == "paged-c":
         return PagedC(plan.block_size)
     if plan.attention == "flash":  # pragma: no cover - GPU
         return Flash(plan.block_size)
+    if plan.attention == "triton":
+        return Triton(plan.block_size, group, kv_heads)
     return Sdpa(plan.block_size, plan.dtype, plan.kv_cache_dtype, kv_heads, head_dim, plan.device)
 
 

@@ -157,11 +157,7 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ModelConfigError(name, getattr(self, name), "it must be true or false")
         ids = [] if self.bos_token_id is None else [self.bos_token_id]
-        for token_id in ids + list(self.eos_token_ids):
-            if isinstance(token_id, bool) or not isinstance(token_id, Integral) or token_id < 0:
-                raise ModelConfigError(
-                    "bos_token_id/eos_token_id", token_id, "token ids are integers >= 0"
-                )
+        check_special_ids(ids + list(self.eos_token_ids), self.vocab_size)
 
     def parameter_count(self) -> int:
         """How many numbers the weights hold (a tied head counted once)."""
@@ -182,6 +178,23 @@ def _shown(value: Any) -> str:
 def _or_default(value: Any, default: Any) -> Any:
     # config.json writes null (and some writers 0) for "derive it".
     return default if value is None or value == 0 else value
+
+
+
+def check_special_ids(ids: list[Any], vocab_size: int) -> None:
+    """BOS and EOS ids must name rows of the embedding: an EOS past them could never be
+    sampled, so generation would never stop on it, silently."""
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, Integral):
+            raise ModelConfigError(
+                "bos_token_id/eos_token_id", token_id, "token ids are integers >= 0"
+            )
+        if not 0 <= token_id < vocab_size:
+            raise ModelConfigError(
+                "bos_token_id/eos_token_id",
+                token_id,
+                f"it is outside the vocabulary ({vocab_size:,} ids: 0 to {vocab_size - 1:,})",
+            )
 
 
 def _size(name: str, value: Any, bounds: tuple[int, int] | None = None) -> int:
@@ -238,6 +251,9 @@ def _flag(flag: str, help: str, **more: Any) -> dict[str, Any]:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 PREFIX_MATCH_MODES = ("token", "block")  # block_manager.PREFIX_MATCH_MODES
+# run_plan.choose_attention: paged-c is the CPU's C kernel, triton our Triton kernel (CUDA, or
+# CPU under TRITON_INTERPRET=1), flash flash-attn's (CUDA), sdpa torch's (anywhere).
+ATTENTION_BACKENDS = ("auto", "triton", "flash", "sdpa", "paged-c")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
@@ -363,7 +379,23 @@ class EngineConfig:
             choices=DTYPES,
         ),
     )
-    enforce_eager: bool = False  # CUDA: no graph capture
+    attention_backend: str = field(
+        default="auto",
+        metadata=_flag(
+            "--attention-backend",
+            "Attention kernels: auto, triton, flash, sdpa or paged-c (the CPU's C kernel). "
+            "auto: on CUDA flash-attn where it is installed and the block "
+            "size a multiple of 256, else our Triton kernel; on CPU the C kernel in float32, "
+            "else SDPA. triton also runs on CPU under TRITON_INTERPRET=1 (slow: for tests).",
+            choices=ATTENTION_BACKENDS,
+        ),
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_flag(
+            "--enforce-eager", "CUDA: launch every decode step's kernels (no CUDA graphs)."
+        ),
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata=_flag(
@@ -411,6 +443,11 @@ class EngineConfig:
             raise ValueError(
                 f"threads={self.threads}: this process may run on {cpus} CPU"
                 f"{'s' if cpus != 1 else ''} (its affinity mask); use at most {cpus}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
         if self.prefix_match not in PREFIX_MATCH_MODES:
             raise ValueError(f"prefix_match must be 'token' or 'block', got {self.prefix_match!r}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import ModelConfig, ModelConfigError, UnsupportedModelError
+from .config import ModelConfig, ModelConfigError, UnsupportedModelError, check_special_ids
 from .gguf_file import QuantizedTensor
 from .model_errors import ModelLoadError, UnsupportedArchitectureError
 from .tokenizer import Tokenizer, TokenizerError
@@ -72,6 +72,10 @@ def merge_eos_ids(config: ModelConfig, tokenizer: Tokenizer, generation_eos: lis
     """Give config and tokenizer the same EOS ids: config's, generation_config's, tokenizer's."""
     # Any of these ends generation; transformers' generate() uses generation_config's list.
     merged = [*config.eos_token_ids, *generation_eos, *tokenizer.eos_token_ids]
+    try:
+        check_special_ids(merged, config.vocab_size)
+    except ModelConfigError as exc:
+        raise ModelLoadError(f"the model's EOS ids: {exc.named('eos_token_id')}") from None
     config.eos_token_ids = list(dict.fromkeys(merged))
     tokenizer.eos_token_ids = list(config.eos_token_ids)
     if config.bos_token_id is None:

@@ -91,6 +91,8 @@ class StepPlan:
     # Precision is no part of a plan: every row's inputs are rounded as its layer's format
     # says, whatever else the step holds (cpu/formats.py).
     fused_decoder: bool
+    # Single-token rows only: on CUDA, a captured decode graph may replay the step.
+    decode_only: bool = False
 
 
 @dataclass
@@ -142,7 +144,7 @@ class ModelRunner:
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attention_layers[0]
-        self.backend = backend_for(plan, layer.num_kv_heads, layer.head_dim)
+        self.backend = backend_for(plan, layer.num_kv_heads, layer.head_dim, layer.group)
         self.sampler = Sampler()
         self.cache_shape = CacheShape(
             len(self.attention_layers),
@@ -152,8 +154,12 @@ class ModelRunner:
             plan.kv_cache_dtype,
             plan.device,
         )
+        # Everything a step reads besides the cache is in place before the memory-sizing
+        # warm-up runs one (issue 44: CUDA runs without a cache size crashed here).
+        self._offsets = torch.arange(plan.block_size)
+        self.graphs: DecodeGraphs | None = None
         gpu_budget = None
-        if needs_gpu_budget(self.cache_shape, engine_config):  # pragma: no cover - GPU
+        if needs_gpu_budget(self.cache_shape, engine_config):
             gpu_budget = self._gpu_kv_budget(engine_config.gpu_memory_utilization)
         num_blocks = count_blocks(self.cache_shape, engine_config, plan.max_model_len, gpu_budget)
         self.num_blocks = num_blocks if cache_group is None else _smallest(num_blocks, cache_group)
@@ -162,7 +168,6 @@ class ModelRunner:
         self.kv_cache = allocate(self.cache_shape, self.num_blocks + plan.cuda_graphs)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        self._offsets = torch.arange(plan.block_size)
         # Decode steps replay the kernel calls recorded on the largest decode step so far (one
         # C call, cpu/kernels.py StepProgram): ~10 ms less Python per step for SmolLM2's 30
         # layers, and 12-18% faster than layer by layer at 17-64 rows (scripts/BENCHMARKS.md),
@@ -192,8 +197,9 @@ class ModelRunner:
 
     # -- set-up -------------------------------------------------------------------------------
 
-    def _gpu_kv_budget(self, utilization: float) -> int:  # pragma: no cover - GPU
-        """Bytes left for the KV cache after weights and a worst-case prefill's activations."""
+    def _gpu_kv_budget(self, utilization: float) -> int:
+        """Bytes left for the KV cache after weights and a worst-case prefill's activations
+        (CUDA; a test runs it on CPU with torch.cuda's memory figures stood in)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self._warmup()
@@ -204,29 +210,45 @@ class ModelRunner:
         # `total - free` covers weights, other processes and the CUDA context alike.
         return int(total * utilization - (total - free) - activations)
 
-    def _warmup(self) -> None:  # pragma: no cover - GPU
-        """Run the largest prefill a step may hold, before the cache exists, to size activations."""
+    def _warmup(self) -> None:
+        """Run the largest prefill a step may hold, before the cache exists, to size activations.
+
+        Every row maps to block 0, so a one-block cache (zeroed: attention reads it) serves
+        the warm-up: back ends that read K/V in place from the cache (Triton) run as in a step.
+        """
         plan = self.plan
+        scratch = allocate(self.cache_shape, 1).zero_()
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
         seq_len = min(plan.max_model_len, plan.max_num_batched_tokens)
         num_seqs = max(1, min(plan.max_num_batched_tokens // seq_len, plan.max_num_seqs))
         seqs = []
         for _ in range(num_seqs):
             seq = Sequence([0] * seq_len, block_size=plan.block_size)
             seq.num_scheduled_tokens = seq_len
-            seq.block_table = [0] * seq.num_blocks  # slots unused: no cache to write yet
+            seq.block_table = [0] * seq.num_blocks  # every slot in the scratch block
             seqs.append(seq)
         self.run_logits(seqs)
-        torch.cuda.synchronize()
+        if plan.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _capture_cuda_graphs(self) -> DecodeGraphs:  # pragma: no cover - GPU
+        return self._decode_graphs().capture(self.model)
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """The static inputs of the decode graphs, before capture (a CPU test stages steps
+        into them)."""
+        plan = self.plan
         return DecodeGraphs(
-            self.model,
-            max_num_seqs=self.plan.max_num_seqs,
-            width=_cdiv(self.plan.max_model_len, self.plan.block_size),
-            scratch_slot=self.num_blocks * self.plan.block_size,
+            attention=plan.attention,
+            max_num_seqs=plan.max_num_seqs,
+            width=_cdiv(plan.max_model_len, plan.block_size),
+            scratch_slot=self.num_blocks * plan.block_size,
             hidden_size=self.config.hidden_size,
-            dtype=self.plan.dtype,
-            device=self.plan.device,
+            dtype=plan.dtype,
+            device=plan.device,
+            kv_heads=self.cache_shape.num_kv_heads,
+            max_context=plan.max_model_len,
         )
 
     def commit_kv_cache(self) -> None:
@@ -283,8 +305,7 @@ class ModelRunner:
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         if batch.plan.fused_decoder:
             return self._run_program(batch, self.model.model.embed_tokens(batch.input_ids))
-        flash = batch.meta.flash
-        if self.graphs and flash is not None and flash.decode_only:  # pragma: no cover - GPU
+        if self.graphs and batch.plan.decode_only:  # pragma: no cover - GPU
             if self.graphs.covers(len(batch.input_ids)):
                 return self.graphs.replay(batch.input_ids, batch.positions, batch.meta)
         return self.model(batch.input_ids, batch.positions, batch.meta)
@@ -346,7 +367,9 @@ class ModelRunner:
             start += n
             rows.append(start - 1)
 
-        plan = StepPlan(fused_decoder=self.plan.fused_decoder and not chunks)
+        plan = StepPlan(
+            fused_decoder=self.plan.fused_decoder and not chunks, decode_only=not chunks
+        )
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts))
         contexts = [s.num_cached_tokens + s.num_scheduled_tokens for s in ordered]
         self.backend.describe(meta, ordered, contexts, num_singles, chunks)
@@ -399,6 +422,8 @@ class ModelRunner:
             f = meta.flash
             f.context_lens, f.block_tables = move(f.context_lens), move(f.block_tables)
             f.cu_seqlens_q, f.cu_seqlens_k = move(f.cu_seqlens_q), move(f.cu_seqlens_k)
+        if meta.triton is not None:
+            meta.triton = meta.triton.to(self.device)
         batch.input_ids, batch.positions = move(batch.input_ids), move(batch.positions)
         batch.logits_rows, batch.restore = move(batch.logits_rows), move(batch.restore)
         return batch

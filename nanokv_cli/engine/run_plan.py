@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import triton_attention
 from .config import EngineConfig, ModelConfig
 from .cpu import kernels as cpu_kernels
 from .cpu.formats import exact_format
@@ -31,8 +32,11 @@ from .layers.tp import tp_size as _tp_size
 from .quantize import check_quantization
 
 # paged-c: the CPU's C kernel reads K/V in place for every query row (float32, kernels built);
-# sdpa: torch gathers K/V and calls SDPA (any device); flash: flash-attn's paged kernels (CUDA).
-AttentionKind = Literal["paged-c", "sdpa", "flash"]
+# sdpa: torch gathers K/V and calls SDPA (any device); flash: flash-attn's paged kernels (CUDA);
+# triton: our Triton kernel reads K/V in place for every row (CUDA; CPU under its interpreter).
+AttentionKind = Literal["paged-c", "sdpa", "flash", "triton"]
+_HALF = (torch.float16, torch.bfloat16)
+GRAPH_BACKENDS = ("flash", "triton")  # decode steps captured as CUDA graphs (cuda_graphs.py)
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -63,7 +67,7 @@ class MachinePlan:
     # Decode steps run as one recorded C program (cpu/kernels.py StepProgram), float layers as
     # FloatLinear so the program replays them: the CPU kernels on one rank.
     fused_decoder: bool
-    cuda_graphs: bool  # decode steps replay captured CUDA graphs (flash only)
+    cuda_graphs: bool  # decode steps replay captured CUDA graphs (flash, triton; CUDA)
 
     @property
     def cpu_kernels(self) -> bool:
@@ -148,7 +152,9 @@ def resolve_machine(settings: EngineConfig, tp_size: int | None = None) -> Machi
     rank, size = tp_rank(), tp_size or _tp_size()
     device = resolve_device(settings.device, rank)
     dtype = resolve_dtype(settings.dtype, device)
-    attention = _attention_kind(device, dtype, settings.block_size)
+    attention = choose_attention(
+        settings.attention_backend, device, dtype, settings.block_size, AttentionKernels.here()
+    ).kind
     return MachinePlan(
         device=device,
         dtype=dtype,
@@ -160,7 +166,7 @@ def resolve_machine(settings: EngineConfig, tp_size: int | None = None) -> Machi
         tp_size=size,
         attention=attention,
         fused_decoder=attention == "paged-c" and size == 1,
-        cuda_graphs=attention == "flash" and not settings.enforce_eager,
+        cuda_graphs=captures_graphs(attention, device, settings.enforce_eager),
     )
 
 
@@ -181,14 +187,104 @@ def _holds_exact_blocks(blocks: Mapping[str, Any]) -> bool:
     return any(exact_format(b.qtype) is not None for b in blocks.values())
 
 
-def _attention_kind(device: torch.device, dtype: torch.dtype, block_size: int) -> AttentionKind:
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available():
-        return "paged-c"
-    # flash-attn's paged kernels need pages of a multiple of 256 tokens and half precision.
-    flash = flash_attn_with_kvcache is not None and block_size % 256 == 0
-    if device.type == "cuda" and flash and dtype in (torch.float16, torch.bfloat16):
-        return "flash"
-    return "sdpa"
+def captures_graphs(attention: AttentionKind, device: torch.device, enforce_eager: bool) -> bool:
+    """Whether decode steps replay captured CUDA graphs (cuda_graphs.py): on CUDA, for the
+    back ends whose decode metadata the graphs hold, unless ``--enforce-eager``."""
+    return device.type == "cuda" and attention in GRAPH_BACKENDS and not enforce_eager
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The attention kernels an install has: ``choose_attention``'s view of the machine, so a
+    test can pose any (a CUDA machine without flash-attn) without one."""
+
+    cpu_kernels: bool  # the C kernels are built
+    flash_attn: bool  # flash-attn imports
+    triton: bool  # triton is installed
+    triton_interpreter: bool  # TRITON_INTERPRET=1: Triton runs kernels on CPU tensors
+
+    @classmethod
+    def here(cls) -> AttentionKernels:
+        return cls(
+            cpu_kernels=cpu_kernels.available(),
+            flash_attn=flash_attn_with_kvcache is not None,
+            triton=triton_attention.available(),
+            triton_interpreter=triton_attention.interpreted(),
+        )
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    kind: AttentionKind
+    reason: str  # why, in words (``nanokv doctor`` prints it)
+
+
+def choose_attention(
+    setting: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    kernels: AttentionKernels,
+) -> AttentionChoice:
+    """The attention back end for ``--attention-backend setting`` on ``device``. ``auto``: on
+    CUDA flash-attn where it serves (installed, half precision, pages of a multiple of 256
+    tokens), else our Triton kernel, else SDPA; on CPU the C kernel in float32, else SDPA.
+    Raises ValueError, saying why, for a back end that cannot run there."""
+    if setting == "auto":
+        return _auto_attention(device, dtype, block_size, kernels)
+    problem = _attention_problem(setting, device, dtype, block_size, kernels)
+    if problem:
+        raise ValueError(f"--attention-backend {setting}: {problem}")
+    return AttentionChoice(setting, "chosen by --attention-backend")  # type: ignore[arg-type]
+
+
+def _auto_attention(
+    device: torch.device, dtype: torch.dtype, block_size: int, kernels: AttentionKernels
+) -> AttentionChoice:
+    if device.type == "cpu":
+        if _attention_problem("paged-c", device, dtype, block_size, kernels) is None:
+            return AttentionChoice("paged-c", "float32 on CPU: the C kernel reads K/V in place")
+        return AttentionChoice("sdpa", "on CPU the C kernel serves float32 only, when built")
+    no_flash = _attention_problem("flash", device, dtype, block_size, kernels)
+    if no_flash is None:
+        return AttentionChoice(
+            "flash", f"flash-attn is installed and serves block size {block_size}"
+        )
+    if _attention_problem("triton", device, dtype, block_size, kernels) is None:
+        return AttentionChoice("triton", no_flash)
+    return AttentionChoice("sdpa", f"{no_flash}, and triton is not installed")
+
+
+def _attention_problem(
+    kind: str, device: torch.device, dtype: torch.dtype, block_size: int, k: AttentionKernels
+) -> str | None:
+    """Why back end ``kind`` cannot run here, or None."""
+    name = str(dtype).removeprefix("torch.")
+    if kind == "paged-c":
+        if device.type != "cpu" or dtype != torch.float32:
+            return f"the C kernel runs in float32 on CPU, not {name} on {device.type}"
+        return None if k.cpu_kernels else "the C kernels are not built here (see nanokv doctor)"
+    if kind == "flash":
+        if device.type != "cuda":
+            return "flash-attn runs on CUDA only"
+        if not k.flash_attn:
+            return "flash-attn is not installed"
+        if dtype not in _HALF:
+            return f"flash-attn computes in float16 or bfloat16, not {name}"
+        if block_size % 256:
+            return f"flash-attn's pages are a multiple of 256 tokens, not --block-size {block_size}"
+        return None
+    if kind == "triton":
+        if not k.triton:
+            return "triton is not installed (pip install triton)"
+        if device.type == "cpu" and not k.triton_interpreter:
+            return (
+                "on CPU triton runs under its interpreter only: start the process with "
+                "TRITON_INTERPRET=1"
+            )
+        if dtype not in (*_HALF, torch.float32):
+            return f"the kernel computes in float16, bfloat16 or float32, not {name}"
+    return None
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

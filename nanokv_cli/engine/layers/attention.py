@@ -22,6 +22,8 @@ in length buckets - then the multi-token prefill chunks. Two back ends:
   K/V gathered from the cache, with the causal diagonal offset by the cached prefix
   (blockwise matmuls in float32, SDPA otherwise).
 * flash-attn (CUDA, block size a multiple of 256): paged kernels read the cache in place.
+* Triton (``triton_attention.py``; CUDA, or CPU under Triton's interpreter): our kernel reads
+  the cache in place for every row of the step in one launch.
 """
 
 from dataclasses import dataclass, field
@@ -31,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import triton_attention
 from ..cpu import kernels as cpu_kernels
+from ..triton_attention import TritonMetadata
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn installed
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -114,6 +118,7 @@ class AttentionMetadata:
     paged_decode: PagedDecode | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     flash: FlashMetadata | None = None
+    triton: TritonMetadata | None = None
     # [2, rows, kv_heads, head_dim], rows >= the largest gather of the step: reused by every
     # group and layer, so gathers neither allocate nor page-fault fresh memory.
     workspace: torch.Tensor | None = None
@@ -146,6 +151,10 @@ class Attention(nn.Module):
             self.v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v)
         if meta.flash is not None:
             out = self._flash(q, k, v, meta.flash)
+        elif meta.triton is not None:
+            out = triton_attention.paged_attention(
+                q, self.k_cache, self.v_cache, meta.triton, self.scale
+            )
         else:
             out = self._torch(q, k, v, meta)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
@@ -213,7 +222,9 @@ class Attention(nn.Module):
         o = F.scaled_dot_product_attention(
             query, key.transpose(1, 2), value.transpose(1, 2), attn_mask=g.bias, scale=self.scale
         )
-        return o.view(n, self.num_heads, hd)
+        # reshape, not view: SDPA's output need not be contiguous (CUDA's float32 kernel lays
+        # it out heads-first), and a view of it fails on every decode step (issue 44).
+        return o.reshape(n, self.num_heads, hd)
 
     def _prefill_chunk(
         self,
