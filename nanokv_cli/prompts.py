@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine.sampling_params import SamplingParams
+from .engine.sequence import TOKEN_ID_RANGE
 from .paths import kind_of
 
 FORMATS = ("auto", "text", "jsonl", "sharegpt", "mooncake")
@@ -230,10 +231,14 @@ def parse_record(obj: Any, where: str, line: int = 0) -> PromptRequest:
     elif key == "messages":
         req.messages = _messages(value, where)
     else:
+        lo, hi = TOKEN_ID_RANGE
         if not isinstance(value, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+            isinstance(t, int) and not isinstance(t, bool) and lo <= t < hi for t in value
         ):
-            raise PromptFileError(f"{where}: 'prompt_token_ids' must be a list of token ids >= 0")
+            raise PromptFileError(
+                f"{where}: 'prompt_token_ids' must be a list of token ids from {lo} to "
+                f"{hi - 1:,} (what a trace records)"
+            )
         req.prompt_token_ids = value
     if "timestamp" in obj:
         req.timestamp = _timestamp(obj["timestamp"], where, scale=1.0)

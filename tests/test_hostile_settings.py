@@ -123,3 +123,141 @@ def test_advise_never_cuts_a_number_in_a_pipe(columns, tmp_path):
         for number in line_numbers:
             assert number in table, (number, table)
     assert "block" in table and "token" in table  # the match column, whole
+
+
+# -- item 18: token ids past what a trace records ----------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [2**31, 2**32, 2**64 + 1, -1])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["replay", "{file}", "--dry-run"],
+        ["replay", "{file}", "--dry-run", "--record", "{tmp}/run.trace"],
+        ["advise", "{file}"],
+        ["inspect", "--prompts", "{file}"],
+    ],
+)
+def test_a_token_id_past_int32_is_one_error_where_prompts_are_read(bad, command, tmp_path):
+    path = write_lines(tmp_path / "ids.jsonl", [{"prompt_token_ids": [1, 2, bad]}])
+    args = [a.format(file=path, tmp=tmp_path) for a in command]
+    one_error(nanokv(*args), "ids.jsonl line 1", "token ids from 0 to 2,147,483,647")
+    assert not (tmp_path / "run.trace").exists()
+
+
+# -- item 19: model files nested deeper than the parser's stack ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "generation_config.json", "model.safetensors.index.json"]
+)
+def test_a_deeply_nested_model_file_is_one_error(name, tiny, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny, folder)
+    (folder / name).write_text('{"a": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    result = nanokv("generate", "Hi", "--model", folder, "--max-tokens", 1, "--no-live")
+    one_error(result, name, "nested too deeply")
+
+
+# -- item 20: version-1 (JSONL) traces get version 2's checks ------------------------------------
+
+
+def v1_trace(path: Path, *lines: str) -> Path:
+    import json
+
+    header = {"format": "nanokv-trace", "version": 1, "block_size": 16, "num_blocks": 8}
+    header |= {"model": None, "dry_run": True}
+    path.write_text(json.dumps(header) + "\n" + "".join(line + "\n" for line in lines))
+    return path
+
+
+STORED = '{"type": "BlockStored", "block_id": 1, "block_hash": 7, "parent_hash": -1, "token_ids": %s}'
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ('{"type": "StepSnapshot", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+        (STORED % "5", "BlockStored.token_ids = 5 is not token ids"),
+        (STORED % '["x", null]', "is not token ids"),
+        (STORED % str(2**31), "is not token ids"),
+        (
+            '{"type": "SequenceAdded", "seq_id": 0, "prompt_token_ids": [1], "max_tokens": 1, '
+            '"arrival_time": 0.0, "prompt_recipe": ["mooncake", "x", 1, 2]}',
+            "prompt_recipe is not a prompt's recipe",
+        ),
+    ],
+    ids=["deep", "an-int", "not-ints", "past-int32", "recipe"],  # short: ids go in the env
+)
+@pytest.mark.parametrize(
+    "view",
+    [[], ["--export", "vllm-kv-events", "{tmp}/out.kv"], ["--summary"]],
+    ids=["last-step", "export", "summary"],
+)
+def test_a_forged_version_1_trace_is_one_error_in_every_view(line, says, view, tmp_path):
+    path = v1_trace(tmp_path / "forged.jsonl", line)
+    args = [a.format(tmp=tmp_path) for a in view]
+    one_error(nanokv("inspect", path, *args), "forged.jsonl line 2", says)
+    assert not (tmp_path / "out.kv").exists()  # nothing malformed exported
+
+
+def test_advise_on_a_forged_version_1_trace_is_one_error(tmp_path):
+    path = v1_trace(tmp_path / "forged.jsonl", STORED % "5")
+    one_error(nanokv("advise", path), "forged.jsonl line 2", "is not token ids")
+
+
+# -- item 24: what was accepted silently or echoed whole ---------------------------------------
+
+
+def test_an_eos_id_past_the_vocabulary_is_refused_at_load(tiny, tmp_path):
+    import json
+    import shutil
+
+    for name in ("config.json", "generation_config.json"):
+        folder = tmp_path / name
+        shutil.copytree(tiny, folder)
+        path = folder / name
+        config = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**config, "eos_token_id": 5000}))  # the vocabulary: 320
+        result = nanokv("generate", "Hi", "--model", folder, "--max-tokens", 1, "--no-live")
+        one_error(result, "is 5000", "outside the vocabulary (320 ids: 0 to 319)")
+
+
+def test_a_huge_seed_is_refused_without_echoing_it():
+    from nanokv_cli.engine.sampling_params import SamplingParams
+
+    for seed in (10**4000, -(10**6000)):  # past Python's own 4,300-digit text limit too
+        with pytest.raises(ValueError) as caught:
+            SamplingParams(seed=seed)
+        message = str(caught.value)
+        assert "seed must be an integer between" in message and len(message) < 200, message
+        assert "digits" in message
+
+
+def test_a_stop_string_with_a_lone_surrogate_is_a_400_like_the_prompt(tiny, tmp_path):
+    import httpx
+    from test_serve import Server
+
+    server = Server(["--model", str(tiny), "--no-live", "--threads", "1"], tmp_path)
+    try:
+        url = f"{server.url}/v1/completions"
+        # JSON's \ud800 escape: a lone surrogate, as a client can send it.
+        for field in ('"prompt": "Hi \\ud800", "stop": "x"', '"prompt": "Hi", "stop": "\\ud800"'):
+            body = '{"max_tokens": 2, %s}' % field
+            r = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert "surrogate" in r.json()["error"]["message"]
+        ok = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "stop": ["\n"]})
+        assert ok.status_code == 200, ok.text
+    finally:
+        server.stop()

@@ -45,13 +45,16 @@ def test_the_last_row_of_a_padded_vocabulary_is_a_valid_id(llm):
     assert len(llm.generate([[5, 319]], PARAMS)[0]["token_ids"]) == 3
 
 
-def test_a_dry_run_takes_any_int64_id_unless_given_a_vocabulary():
+def test_a_dry_run_takes_any_id_a_trace_records_unless_given_a_vocabulary():
     config = EngineConfig(num_blocks=32, block_size=4)
     engine = LLMEngine(DryRunExecutor(config), config)
     assert engine.vocab_size is None  # nothing to embed
-    engine.add_request([10**6, -5, 2**63 - 1])
-    with pytest.raises(RequestRejected, match="does not fit in a signed 64-bit integer"):
-        engine.add_request([1, 2**63])
+    engine.add_request([10**6, 0, 2**31 - 1])
+    # Past int32 a trace cannot record the prompt (and the bound's uint32 map could not
+    # hold it): refused when added, not an OverflowError later (issue #49, item 18).
+    for bad in (2**31, 2**32, 2**63, -5):
+        with pytest.raises(RequestRejected, match="outside the token ids a trace can record"):
+            engine.add_request([1, bad])
     engine.vocab_size = 100  # refuse what a model with 100 ids would
     with pytest.raises(RequestRejected, match=r"token id 100 at position 0 .*\(100 ids"):
         engine.add_request([100])

@@ -72,6 +72,8 @@ def _read_json_file(path: Path, what: str | None) -> dict[str, Any]:
         raise ModelLoadError(f"{path.parent} is not a Hugging Face model folder: it has no {what}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:  # a bracket nest deeper than the parser's stack
+        raise ModelLoadError(f"{path} is not valid JSON (nested too deeply)") from None
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path} is not valid JSON ({exc})") from exc
     if not isinstance(data, dict):

@@ -18,7 +18,7 @@ from .config import EngineConfig
 from .events import EventBus, SequenceAdded, StepSnapshot
 from .sampling_params import SamplingParams
 from .scheduler import RequestRejected, Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import TOKEN_ID_RANGE, Sequence, SequenceStatus
 from .step_budget import StepBudget
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestRejected", "Executor"]
@@ -295,17 +295,12 @@ def _catch_up(out: RequestOutput, seq: Sequence, now: float) -> None:
         out.finish_time = now
 
 
-_INT64 = (-(2**63), 2**63)
-
-
 def check_token_ids(token_ids: list[int] | array, vocab_size: int | None) -> None:
     """Raise RequestRejected naming the first id a prompt may not hold: not an integer, or
-    outside the vocabulary (0 to ``vocab_size - 1``); without one, outside int64 (the prefix
-    cache hashes ids as int64). One vectorized pass when the ids are fine."""
-    lo, hi = _INT64 if vocab_size is None else (0, vocab_size)
+    outside the vocabulary (0 to ``vocab_size - 1``); without one, outside the ids a trace can
+    record (``TOKEN_ID_RANGE``). One vectorized pass when the ids are fine."""
+    lo, hi = TOKEN_ID_RANGE if vocab_size is None else (0, vocab_size)
     if isinstance(token_ids, array) and token_ids.typecode == "q":
-        if vocab_size is None:
-            return  # int64 by construction
         ids = np.frombuffer(token_ids, dtype=np.int64)
     else:
         try:
@@ -319,7 +314,7 @@ def check_token_ids(token_ids: list[int] | array, vocab_size: int | None) -> Non
             raise RequestRejected(f"token id {t!r} at position {i} is not an integer")
         if not lo <= t < hi:
             where = (
-                "does not fit in a signed 64-bit integer"
+                f"is outside the token ids a trace can record (0 to {hi - 1:,})"
                 if vocab_size is None
                 else f"is outside the vocabulary ({vocab_size} ids: 0 to {vocab_size - 1})"
             )

@@ -68,7 +68,11 @@ def _integer(name: str, value: Any, minimum: int, maximum: int | None = None) ->
     number = int(value)
     if number < minimum or (maximum is not None and number > maximum):
         bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-        raise ValueError(f"{name} must be an integer {bound}, got {number}")
+        # Never echo a huge number whole (nor make its decimal text: Python refuses past 4,300
+        # digits): its size in digits says enough.
+        digits = int(number.bit_length() * 0.30103) + 1
+        shown = number if digits <= 40 else f"a number of about {digits:,} digits"
+        raise ValueError(f"{name} must be an integer {bound}, got {shown}")
     return number
 
 

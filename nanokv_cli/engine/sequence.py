@@ -4,6 +4,10 @@ from itertools import count
 
 from .sampling_params import SamplingParams
 
+# The token ids a prompt may hold without a vocabulary to check them against (a dry run): what
+# a trace records (int32 prompts), far past the largest vocabulary (a few hundred thousand).
+TOKEN_ID_RANGE = (0, 2**31)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

@@ -135,6 +135,13 @@ class ServerState:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+        for s in stops:  # as the prompt's text is: a lone surrogate can never be generated
+            try:
+                s.encode()
+            except UnicodeEncodeError as e:
+                raise ApiError(
+                    400, f"stop: a lone surrogate at character {e.start}", param="stop"
+                ) from None
         return params, stops
 
     # -- running a request -----------------------------------------------------------------

@@ -11,6 +11,8 @@ from typing import Any
 
 from ..engine.block_manager import MISS_REASONS
 from ..engine.events import CacheLookup, Event
+from ..engine.mooncake import SynthesizedPrompt
+from ..engine.sequence import TOKEN_ID_RANGE
 from .format import _CODES, _short
 
 
@@ -42,6 +44,34 @@ def _is_miss_tokens(v: object) -> bool:
     return isinstance(v, dict) and all(type(n) is int for n in v.values())
 
 
+def check_json_lists(event: Event) -> None:
+    """Version 1's lists, which JSON gives as anything: token ids a trace can hold and a
+    recipe that makes a prompt (version 2 checks its own when it decodes a record)."""
+    for name in ("token_ids", "prompt_token_ids"):
+        v = getattr(event, name, [])
+        if not _is_token_ids(v):
+            raise ValueError(f"{type(event).__name__}.{name} = {_short(v)} is not token ids")
+    if not _is_recipe(getattr(event, "prompt_recipe", None)):
+        raise ValueError(f"{type(event).__name__}.prompt_recipe is not a prompt's recipe")
+
+
+def _is_token_ids(v: object) -> bool:
+    """A list of token ids a trace can hold (version 2 stores them as int32)."""
+    lo, hi = TOKEN_ID_RANGE
+    return type(v) is list and all(type(t) is int and lo <= t < hi for t in v)
+
+
+def _is_recipe(v: object) -> bool:
+    """None, or a recipe that makes a prompt (a synthesized Mooncake prompt)."""
+    if v is None:
+        return True
+    try:
+        SynthesizedPrompt.from_recipe(v)
+    except ValueError:
+        return False
+    return True
+
+
 def _field_checks(cls: type) -> tuple[tuple[str, Callable[[Any], bool]], ...]:
     """A type test for each field of ``cls`` that a reader computes with or looks up,
     from its annotation (a string: events.py defers them)."""
@@ -66,6 +96,7 @@ def _field_checks(cls: type) -> tuple[tuple[str, Callable[[Any], bool]], ...]:
             checks.append((f.name, _is_schedule))
         elif f.type == "dict[str, int]":
             checks.append((f.name, _is_miss_tokens))
+
     return tuple(checks)
 
 

@@ -7,9 +7,17 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..engine.events import CacheState, Event, StepSnapshot, event_from_dict
-from .checks import _check_event
-from .format import MAX_HEADER_CHARS, TRACE_FORMAT, TRACE_VERSION, TraceError, _check_header
+from ..engine.events import CacheState, Event, SequenceAdded, StepSnapshot, event_from_dict
+from .budget import ViewBudget
+from .checks import _check_event, check_json_lists
+from .format import (
+    MAX_HEADER_CHARS,
+    TRACE_FORMAT,
+    TRACE_VERSION,
+    TraceError,
+    _check_header,
+    _OverLimit,
+)
 
 
 class _JsonlTrace:
@@ -21,7 +29,7 @@ class _JsonlTrace:
             line = f.readline(MAX_HEADER_CHARS)  # a file of no newlines is not read whole
         try:
             header = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             header = None
         if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
             raise TraceError(
@@ -36,8 +44,11 @@ class _JsonlTrace:
         self.header = header
 
     def events(self) -> Iterator[Event]:
+        """Every event, under one view's budget (the events and prompt tokens version 2 may
+        decode for a view): a view of a huge or forged file ends with one error."""
         # Bytes, decoded line by line: a text file decodes whole chunks, so its error would
         # name the line being read, not the one holding the bad bytes.
+        budget = ViewBudget(self.path)
         with open(self.path, "rb") as f:
             f.readline()
             for n, raw in enumerate(f, 2):
@@ -48,14 +59,26 @@ class _JsonlTrace:
                 except UnicodeDecodeError:
                     raise TraceError(f"{self.path} line {n}: not UTF-8 text") from None
                 if line.strip():
-                    yield self._event(line, n)
+                    yield self._event(line, n, budget)
 
-    def _event(self, line: str, n: int) -> Event:
+    def _event(self, line: str, n: int, budget: ViewBudget) -> Event:
         try:
             event = event_from_dict(json.loads(line))
             _check_event(event, self.header["num_blocks"])
+            check_json_lists(event)
+            budget.spend_events(1)
+            if type(event) is SequenceAdded:
+                budget.spend_tokens(event.seq_id, len(event.prompt_token_ids))
             return event
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except RecursionError:
+            raise TraceError(
+                f"{self.path} line {n}: not a trace event (nested too deeply)"
+            ) from None
+        except TraceError:
+            raise
+        except _OverLimit as e:
+            raise TraceError(f"{self.path} line {n}: {e}") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise TraceError(f"{self.path} line {n}: not a trace event ({e})") from None
 
     def state_at(self, step: int | None = None) -> CacheState:
