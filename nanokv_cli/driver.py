@@ -531,9 +531,12 @@ class Run:
         self.stats.tag(seq_id, **fields)
 
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Record one step's token latencies (only with ``latencies``)."""
+        """Record one step's token latencies (only with ``latencies``), and show the
+        infinite-cache bound the sequences that finished."""
         if self.latencies:
             self.stats.observe(outputs, self.engine.clock)
+        if self.stats.infinite is not None:
+            self.stats.learn(outputs)
 
     def report(self, **extra: Any) -> dict[str, Any]:
         """The run's report so far: ``config``, the cache size, then ``extra``."""

@@ -147,6 +147,8 @@ class Instance:
         if not self.engine.has_unfinished_requests():
             return 0  # every queued request was rejected
         outputs = self.engine.step()
+        if self.run is not None:
+            self.run.observe(outputs)  # the infinite-cache bound learns what finished
         requests = self.driver.requests
         finished = 0
         for out in outputs:

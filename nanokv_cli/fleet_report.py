@@ -92,7 +92,9 @@ def run_fleet(
                         "prefix_match": config.prefix_match,
                     },
                     latencies=False,
-                    infinite=InfiniteCache(config.block_size) if alone else None,
+                    infinite=InfiniteCache(config.block_size, config.prefix_match)
+                    if alone
+                    else None,
                 )
             )
         fleet.run(requests, on_progress)

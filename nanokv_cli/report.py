@@ -20,6 +20,7 @@ import numpy as np
 
 from .engine.block_manager import MISS_REASONS, BlockManager
 from .engine.events import (
+    BlockStored,
     CacheLookup,
     Event,
     SequenceAdded,
@@ -49,7 +50,10 @@ class RunStats:
         record waits for its last token's time; else records carry no latencies.
         ``divergence``: a ``divergence.DivergenceRecorder`` giving each record where its prompt
         parts from the earlier prompt it shares the most with."""
-        self.infinite = infinite  # fed each prompt as it is added (dry-run upper bound)
+        # The dry-run upper bound: fed each prompt as it is added, each block the engine
+        # stores, and each finished sequence's tokens (``learn``).
+        self.infinite = infinite
+        self._prompts: dict[int, Any] = {}  # of unfinished sequences, while ``infinite`` learns
         self.divergence = divergence
         self.on_request = on_request
         self.latencies = latencies
@@ -88,6 +92,9 @@ class RunStats:
                         rec.update(lookup_record(event))
                     else:
                         rec["readmission_hit_tokens"] += event.num_hit_tokens
+        elif t is BlockStored:
+            if self.infinite is not None:
+                self.infinite.stored(event.block_hash, event.parent_hash, event.token_ids)
         elif t is SequenceFinished:
             if event.reason == "abort":
                 # What an aborted request streamed was generated and delivered: a summary
@@ -120,6 +127,7 @@ class RunStats:
             self.requests += 1
             if self.infinite is not None:
                 self.infinite.add(event.prompt_token_ids)
+                self._prompts[event.seq_id] = event.prompt_token_ids
             if self.on_request is not None:
                 # Keys in the order a reader wants them; the rest is filled in as it happens.
                 self._live[event.seq_id] = {
@@ -144,6 +152,14 @@ class RunStats:
         rec = self._live.get(seq_id)
         if rec is not None:
             rec.update(fields)
+
+    def learn(self, outputs: list[RequestOutput]) -> None:
+        """Show the infinite cache the sequences that finished this step, whole."""
+        for out in outputs:
+            if out.finished:
+                prompt = self._prompts.pop(out.seq_id, None)
+                if prompt is not None:
+                    self.infinite.finished([*prompt, *out.token_ids])
 
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         """Record token latencies from one step's outputs (``now``: the engine clock)."""
@@ -336,10 +352,15 @@ class InfiniteCache:
     """The hit rate a cache that never evicts would reach, requests taken in arrival order.
 
     The upper bound for the dry-run comparison: each prompt hits the longest prefix of full
-    blocks some earlier prompt had (never the block holding its last token, as in the engine),
+    blocks the cache ever held (never the block holding its last token, as in the engine),
     then all its full blocks count as cached. With ``prefix_match="token"`` (the engine's
     default) it then also hits the longest run of the next block's tokens that an earlier
-    prompt continuing the same prefix shared, all but the prompt's last token at most.
+    sequence continuing the same prefix shared, all but the prompt's last token at most.
+
+    The engine caches generated tokens too (a second turn that repeats the first turn's prompt
+    and answer hits both), so the cache is fed what the engine stored as it stored it
+    (``stored``: every full block, prompt or generated) and each finished sequence's last,
+    partly filled block (``finished``): a bound on prompts alone would sit below what runs reach.
     """
 
     # Token-level: the distinct block contents kept, as bytes, to find the longest shared run;
@@ -388,6 +409,27 @@ class InfiniteCache:
                 self._remember(prefix, token_ids[len(token_ids) // bs * bs :])
         self.prompt_tokens += len(token_ids)
         return blocks
+
+    def stored(self, block_hash: int, parent: int, token_ids) -> None:
+        """The engine registered a full block (a prompt's or a generated one): cached for good."""
+        if block_hash not in self.seen:
+            self.seen.add(block_hash)
+            if self.tokens:
+                self._remember(parent, token_ids)
+
+    def finished(self, token_ids) -> None:
+        """A sequence ended with ``token_ids`` (prompt and output): its partly filled last block
+        stays in the cache, which token-granular reuse can copy from. It holds every token but
+        the last sampled one, whose K/V no step computed."""
+        computed = token_ids[:-1]
+        if not self.tokens or not len(computed) % self.block_size:
+            return  # a full last block was stored as such
+        bs, prefix = self.block_size, -1
+        token_ids = computed
+        full = len(token_ids) // bs * bs
+        for i in range(0, full, bs):
+            prefix = BlockManager.compute_hash(token_ids[i : i + bs], prefix)
+        self._remember(prefix, token_ids[full:])
 
     def _remember(self, parent: int, block: list[int]) -> None:
         self.first_tokens.add((parent, int(block[0])))
