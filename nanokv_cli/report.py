@@ -335,10 +335,10 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    """Mean and nearest-rank p50/p90/p99 (zeros for an empty list)."""
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """Mean and nearest-rank p50/p90/p99; None for an empty list (no data is not 0 s)."""
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
     v = sorted(values)
     n = len(v)
 

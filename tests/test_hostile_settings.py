@@ -261,3 +261,26 @@ def test_a_stop_string_with_a_lone_surrogate_is_a_400_like_the_prompt(tiny, tmp_
         assert ok.status_code == 200, ok.text
     finally:
         server.stop()
+
+
+# -- item 13: a figure with no data is n/a, not 0.0 --------------------------------------------
+
+
+def test_latencies_no_request_gave_are_na_not_zero():
+    from rich.console import Console
+
+    from nanokv_cli.report import RunStats
+    from nanokv_cli.views.tables import summary_table
+
+    stats = RunStats(latencies=True)
+    stats.ttft.append(0.25)  # one first token came; no request finished, no second token
+    report = stats.report(duration=1.0, wall_time=1.0, num_blocks=8, block_size=16)
+    assert report["e2e_latency_s"]["p50"] is None and report["itl_s"]["mean"] is None
+    assert report["ttft_s"]["p50"] == 0.25
+    console = Console(width=120, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(summary_table(report))
+    text = console.export_text()
+    rows = {line.split("  ")[0].strip(): line for line in text.splitlines()}
+    assert "p50 n/a" in rows["request latency"] and "0.0 ms" not in rows["request latency"]
+    assert "p50 n/a" in rows["inter-token latency"]
+    assert "p50 250.0 ms" in rows["time to first token"]

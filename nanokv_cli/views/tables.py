@@ -12,8 +12,8 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
-def _ms(x: float) -> str:
-    return f"{x * 1000:,.1f} ms"
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1000:,.1f} ms"  # None: no request gave one
 
 
 # One line each for the summary; README's "Reading the numbers" says the same at more length.
