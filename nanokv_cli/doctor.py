@@ -139,7 +139,9 @@ def _kernels() -> list[Check]:
                 "fail",
                 str(e),
                 {"forced": forced, "usable": usable},
-                f"unset {build.ISA_VARIABLE}, or set it to one of {', '.join(usable)}",
+                f"unset {build.ISA_VARIABLE}, or set it to one of {', '.join(usable)}"
+                if build.ISA_VARIABLE in str(e)
+                else f"set {build.SWITCH_VARIABLE} to 0 or 1, or unset it",
             )
         )
         return checks
@@ -222,7 +224,7 @@ def _kernel_library(status) -> Check:
         return Check(
             "kernels",
             "warn",
-            "switched off (NANOKV_CPU_KERNELS=0)",
+            f"switched off ({status.missing})",
             detail,
             "unset NANOKV_CPU_KERNELS to run the C kernels",
         )
@@ -348,7 +350,11 @@ def _cuda_attention() -> Check:
     defaults, cuda = EngineConfig(), torch.device("cuda")
     # The CUDA default dtype: bfloat16 where the GPU has it (Ampere on), as on a GPU here.
     dtype = resolve_dtype(None, cuda) if torch.cuda.is_available() else torch.bfloat16
-    choice = choose_attention("auto", cuda, dtype, defaults.block_size, AttentionKernels.here())
+    try:
+        kernels = AttentionKernels.here()
+    except ValueError as e:  # a kernel setting this process refuses: its own line says so
+        return Check("cuda attention", "fail", str(e), {}, "fix the kernel setting above")
+    choice = choose_attention("auto", cuda, dtype, defaults.block_size, kernels)
     graphs = captures_graphs(choice.kind, cuda, defaults.enforce_eager)
     value = f"{choice.kind}{' with CUDA graphs' if graphs else ''}: {choice.reason}"
     detail = {"backend": choice.kind, "reason": choice.reason, "cuda_graphs": graphs}

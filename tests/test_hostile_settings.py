@@ -284,3 +284,17 @@ def test_latencies_no_request_gave_are_na_not_zero():
     assert "p50 n/a" in rows["request latency"] and "0.0 ms" not in rows["request latency"]
     assert "p50 n/a" in rows["inter-token latency"]
     assert "p50 250.0 ms" in rows["time to first token"]
+
+
+def test_doctor_fails_an_unknown_kernel_switch_and_names_a_spelling_it_took():
+    import json
+
+    result = nanokv("doctor", "--json", env={"NANOKV_CPU_KERNELS": "maybe"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["kernel variant"]["status"] == "fail"
+    assert "NANOKV_CPU_KERNELS='maybe'" in json.dumps(checks["kernel variant"])
+    result = nanokv("doctor", "--json", env={"NANOKV_CPU_KERNELS": "off"})
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["kernels"]["status"] == "warn"
+    assert "NANOKV_CPU_KERNELS=off" in json.dumps(checks["kernels"])
