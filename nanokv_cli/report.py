@@ -153,6 +153,13 @@ class RunStats:
         if rec is not None:
             rec.update(fields)
 
+    def undelivered(self, tokens: int) -> None:
+        """``tokens`` that aborted requests generated never reached a client (a server knows):
+        the output counted is what clients received."""
+        tokens = min(tokens, self.aborted_output_tokens)
+        self.output_tokens -= tokens
+        self.aborted_output_tokens -= tokens
+
     def learn(self, outputs: list[RequestOutput]) -> None:
         """Show the infinite cache the sequences that finished this step, whole."""
         for out in outputs:

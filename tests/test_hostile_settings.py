@@ -298,3 +298,54 @@ def test_doctor_fails_an_unknown_kernel_switch_and_names_a_spelling_it_took():
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["kernels"]["status"] == "warn"
     assert "NANOKV_CPU_KERNELS=off" in json.dumps(checks["kernels"])
+
+
+def test_after_ctrl_c_the_summary_counts_only_tokens_clients_received(tiny, tmp_path):
+    """Whole (non-streaming) answers cut short by Ctrl-C reach their clients as a 503 with no
+    text: the summary's output tokens of aborted requests are then 0, however many the engine
+    had generated for them (issue #49, item 13)."""
+    import json
+    import signal
+    import threading
+    import time
+
+    import httpx
+    from test_serve import Server
+
+    report = tmp_path / "serve.json"
+    args = ["--model", str(tiny), "--no-live", "--threads", "1", "--max-num-seqs", "1"]
+    server = Server([*args, "--report", str(report)], tmp_path, {"OMP_NUM_THREADS": "1"})
+    answers: list = []
+
+    def ask() -> None:
+        body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            answers.append(r.status_code)
+        except httpx.HTTPError:
+            answers.append(None)
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = httpx.get(f"{server.url}/metrics").text
+            if "vllm:generation_tokens_total" in text and any(
+                line.startswith("vllm:generation_tokens_total") and float(line.split()[-1]) > 20
+                for line in text.splitlines()
+            ):
+                break
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGINT)
+        code = server.wait(120)
+        for t in threads:
+            t.join(60)
+    finally:
+        server.stop()
+    assert code == 130, server.log()
+    assert 200 not in answers, answers  # neither answer was whole: both were cut short
+    saved = json.loads(report.read_text())
+    assert saved["requests"] == 0 and saved["requests_added"] == 2
+    assert saved["output_tokens_aborted"] == 0 == saved["output_tokens"], saved

@@ -21,6 +21,8 @@ class ServeRequest(Request):
     stream: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None
     ended_by: str | None = None  # "stop": the handler found a stop string and let it go
+    generated: int = 0  # tokens the engine made for it (the engine thread counts)
+    sent: int = 0  # of them, those its client was sent (the handler counts)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
@@ -47,6 +49,7 @@ class EngineLoop:
         self.on_fatal = on_fatal
         self.error: BaseException | None = None
         self.rejected = 0
+        self.aborted: list[ServeRequest] = []  # their tokens may not all have reached a client
         self.abort_reason = "the server is shutting down"
         self.driver = Driver(
             engine,
@@ -98,6 +101,7 @@ class EngineLoop:
 
     def _aborted(self, seq_id: int, req: ServeRequest) -> None:
         self.metrics.ended(seq_id, req.ended_by or "abort")
+        self.aborted.append(req)
         if req.ended_by is None:
             self._post(req, ("aborted", self.abort_reason))
 
@@ -125,6 +129,7 @@ class EngineLoop:
         batches: dict[Any, list] = {}
         for out in outputs:
             req = requests[out.seq_id]
+            req.generated += len(out.new_token_ids)
             item = (
                 out.new_token_ids,  # a new list every step: safe to hand over
                 out.finished,
@@ -138,6 +143,12 @@ class EngineLoop:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:
                 pass
+
+    def undelivered_tokens(self) -> int:
+        """Tokens aborted requests generated that never reached their clients (in a queue, or
+        generated after the client left): once the handlers are done, a summary leaves them
+        out, so it counts what clients received."""
+        return sum(max(0, r.generated - r.sent) for r in self.aborted)
 
     def _fail_all(self) -> None:
         """Close the queue and fail every request: those in the engine and those not yet in."""

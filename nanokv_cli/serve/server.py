@@ -216,6 +216,7 @@ def _final_report(run: Run, engine_loop: EngineLoop, server: UvicornServer):
     """The run's report, with how the server stopped; and whether it was interrupted."""
     interrupted = signal.SIGINT in server.signals
     stopped_by = signal.Signals(server.signals[0]).name if server.signals else None
+    run.stats.undelivered(engine_loop.undelivered_tokens())
     result = run.report(
         rejected=engine_loop.rejected,
         interrupted=interrupted,

@@ -183,6 +183,7 @@ class ServerState:
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             text = "".join([piece async for piece in gen.pieces()])
+            req.sent = gen.num_completion_tokens  # the whole answer goes out
             return JSONResponse(self._whole(gen, head, chat, text))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
@@ -236,6 +237,7 @@ class ServerState:
             async for piece in gen.pieces():
                 if piece:
                     yield before + dumps(piece) + after
+                    gen.req.sent = gen.num_completion_tokens  # the chunk went out
             yield chunk(None, gen.finish_reason)
             if include_usage:
                 yield sse({**head, "choices": [], "usage": gen.usage()})
