@@ -41,6 +41,7 @@ from .advise_grid import (
     evaluate,
     grid,
     never_evicting_blocks,
+    never_evicting_size,
     settings_of,
     token_level_possible,
 )
@@ -302,6 +303,7 @@ __all__ = [
     "is_trace",
     "move_varying_first_lines",
     "never_evicting_blocks",
+    "never_evicting_size",
     "prompt_file_workload",
     "settings_of",
     "trace_workload",

@@ -106,12 +106,27 @@ class Point:
     layout: bool = False  # on the requests with the varying first lines moved
 
 
-def never_evicting_blocks(requests: list[Request], block_size: int) -> int:
+def never_evicting_blocks(
+    requests: list[Request], block_size: int, most_tokens: int | None = None
+) -> int:
     """A cache no run of ``requests`` can fill: every block each request may hold (prompt and
-    outputs), added up. The free queue hands out clean blocks first, so it never evicts."""
-    return sum(
-        -(-(prompt_len(r) + r.sampling_params.max_tokens) // block_size) + 1 for r in requests
-    )
+    outputs), added up. The free queue hands out clean blocks first, so it never evicts.
+    Requests of more than ``most_tokens`` (prompt + max_tokens) are left out: no cache of the
+    grid admits them, so they hold nothing (and one with max_tokens 10^9 sizes nothing)."""
+    total = 0
+    for r in requests:
+        tokens = prompt_len(r) + r.sampling_params.max_tokens
+        if most_tokens is None or tokens <= most_tokens:
+            total += -(-tokens // block_size) + 1
+    return total
+
+
+def never_evicting_size(workload: Workload, base: EngineConfig) -> int:
+    """The never-evicting bound's cache (blocks of ``base.block_size``): room for every request
+    that fits the grid's biggest cache (a cache x4, or the same tokens in bigger blocks)."""
+    bs, n = base.block_size, base.num_blocks
+    biggest = 4 * bs * n + max(block_sizes(workload, bs), default=bs)
+    return max(n, never_evicting_blocks(workload.requests, bs, biggest))
 
 
 def prompt_len(r: Request) -> int:
@@ -126,7 +141,7 @@ def grid(workload: Workload, base: EngineConfig, layout_moved: int = 0) -> list[
     """The runs advise needs: now, the bounds, then each change it can measure."""
     bs, n = base.block_size, base.num_blocks
     requests = workload.requests
-    infinite = max(n, never_evicting_blocks(requests, bs))
+    infinite = never_evicting_size(workload, base)
     points = [
         Point("now", "now", "as given", base),
         Point(

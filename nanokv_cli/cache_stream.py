@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 EVENTS_PATH = "/v1/nanokv/events"  # under /v1: the API key guards it as it guards the API
 PROTOCOL = 1
 FREE, CACHED, MAX_REF = 0, 255, 254
+# The most blocks a stream's map may hold (a trace's bound too): 16 MB of codes. A server's
+# cache is far smaller; a watcher refuses a snapshot that claims more.
+MAX_NUM_BLOCKS = 1 << 24
+_ZLIB_MAX_RATIO = 1032  # deflate's best: 258 bytes in two bits, and a little more
 RATE_WINDOW_S = 2.0
 # Events that change a block's ref count or hash (BlockCopied's block is also allocated).
 _CHANGES_BLOCK = (BlockAllocated, BlockFreed, BlockHit, BlockStored, BlockRemoved)
@@ -88,7 +92,15 @@ def encode_codes(codes: bytes | bytearray) -> str:
 
 
 def decode_codes(text: str, num_blocks: int) -> bytearray:
-    """``encode_codes``' inverse; ValueError unless it holds exactly ``num_blocks`` codes."""
+    """``encode_codes``' inverse; ValueError unless it holds exactly ``num_blocks`` codes.
+
+    The count is the sender's claim: it is checked against ``MAX_NUM_BLOCKS`` and against
+    what the text can hold (zlib packs at most ~1032 bytes into one) before anything is
+    allocated, so a small frame claiming 10^9 blocks costs nothing."""
+    if not 0 < num_blocks <= MAX_NUM_BLOCKS:
+        raise ValueError(f"a snapshot of {num_blocks:,} blocks (at most {MAX_NUM_BLOCKS:,})")
+    if num_blocks > _ZLIB_MAX_RATIO * (len(text) * 3 // 4 + 1):
+        raise ValueError(f"a snapshot's block map is too short for {num_blocks:,} blocks")
     try:
         d = zlib.decompressobj()
         codes = d.decompress(base64.b64decode(text, validate=True), num_blocks + 1)

@@ -37,7 +37,9 @@ is not). One KV cache group: ``group_idx`` 0, full attention. A block's hash is 
 xxh64 (it stands for the whole prefix, so the parent links blocks into prefixes); its
 ``token_ids`` and ``block_size`` let a consumer compute its own keys, as Dynamo's indexer does.
 A ROUTER socket answers replay requests ``[b"", start_seq (8 bytes)]`` with
-``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on, then ``[b"", -1, b""]``.
+``[b"", seq, payload]`` for every buffered batch from ``start_seq`` on, then ``[b"", -1, b""]``:
+one replay between two live batches, and a peer's repeats, while one of its requests waits,
+are dropped (a flood of requests neither holds back the live stream nor other peers).
 
 **Batches.** One per engine step that changed the prefix cache (``KVEventBatcher``). A hash is
 announced once: nanokv may register a content under several blocks (duplicates, the newest
@@ -74,6 +76,7 @@ log = logging.getLogger(__name__)
 DATA_PARALLEL_RANK = 0
 CLEARED: list[Any] = ["AllBlocksCleared"]
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+REPLAY_READS_PER_TURN = 64  # replay requests taken from the socket per turn of the loop
 
 
 # -- the wire format -----------------------------------------------------------------------------
@@ -325,6 +328,7 @@ class ZmqKVEventPublisher:
         self._closed = False
         self._queue: queue.Queue[tuple[float, list] | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._replays: dict[bytes, int] = {}  # peer -> the start it asked for, oldest first
         self._ctx = zmq.Context()
         try:
             self._pub, self.endpoint = self._open_pub(zmq)
@@ -402,10 +406,9 @@ class ZmqKVEventPublisher:
         topic = self.config.topic.encode()
         try:
             while True:
-                if self._replay is not None:
-                    self._serve_replays()
-                try:
-                    item = self._queue.get(timeout=0.02)
+                waiting = self._replay is not None and self._serve_replays()
+                try:  # replays still waiting: take a live batch if there is one, not a nap
+                    item = self._queue.get_nowait() if waiting else self._queue.get(timeout=0.02)
                 except queue.Empty:
                     continue
                 if item is None:
@@ -420,20 +423,34 @@ class ZmqKVEventPublisher:
         finally:
             self._ctx.destroy(linger=self.LINGER_MS)
 
-    def _serve_replays(self) -> None:
+    def _serve_replays(self) -> bool:
+        """Read a few replay requests, then answer one (as vLLM's publisher does): a live
+        batch goes out between any two replays, however many are asked for. A peer has one
+        request waiting at most; what it asks again meanwhile is dropped, so a flood from one
+        peer neither grows the books nor delays the others. Whether requests still wait."""
+        self._read_replay_requests()
+        if not self._replays:
+            return False
+        client = next(iter(self._replays))  # the longest waiting
+        start = self._replays.pop(client)
+        for seq, payload in self._buffer:
+            if seq >= start:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+        return bool(self._replays) or bool(self._replay.poll(0))
+
+    def _read_replay_requests(self) -> None:
         import zmq
 
-        while self._replay.poll(0):
+        for _ in range(REPLAY_READS_PER_TURN):  # the rest wait in the socket, bounded by its HWM
+            if not self._replay.poll(0):
+                return
             frames = self._replay.recv_multipart(zmq.NOBLOCK)
             # [identity, b"", start_seq]: from a REQ socket, or a DEALER that adds the b"".
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 log.warning("nanokv: ignored a malformed KV event replay request")
                 continue
-            client, start = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in self._buffer:
-                if seq >= start:
-                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+            self._replays.setdefault(frames[0], int.from_bytes(frames[2], "big"))
 
 
 def _bind(sock, endpoint: str, key: str) -> None:

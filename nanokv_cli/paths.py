@@ -5,7 +5,8 @@
 * Outputs (``--report``, ``--record``, ``--per-request``, ``--export``) are checked before a
   run starts (``check_outputs``): their folder exists and takes a new file, and each is not a
   directory, a special file or a symbolic link, not one of the run's inputs and not another
-  output. Writing (``open_output``, ``write_atomic``) never goes through a symlink or into a
+  output. The model is an input too (``model_inputs``): the default model's file, or every
+  file in a model folder, so a report never lands on the weights. Writing (``open_output``, ``write_atomic``) never goes through a symlink or into a
   special file, and a file written over keeps its permissions.
 
 Errors are ``PathError`` (a ValueError, so the CLI shows one line) naming the path as given.
@@ -53,22 +54,48 @@ def check_model_path(path: str | os.PathLike[str] | None) -> None:
         raise PathError(f"--model {path}: is {kind_of(mode)}, not a model file or folder")
 
 
+# A model folder holds a config, a tokenizer and some weight shards: far fewer entries than this.
+MAX_FOLDER_ENTRIES = 10_000
+
+
+def model_inputs(model: str | os.PathLike[str] | None) -> list[Path]:
+    """What a run reads for ``--model``: the path given (a folder stands for every file in it),
+    or the default model's file when none is given (nothing if it is not installed)."""
+    if model is not None:
+        return [Path(model).expanduser()]
+    from .engine.loader import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, packaged_model_path
+    from .engine.model_errors import ModelLoadError
+
+    try:
+        return [Path(packaged_model_path(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE))]
+    except ModelLoadError:
+        return []
+
+
 def check_outputs(
     outputs: Mapping[str, str | os.PathLike[str] | None],
     inputs: Iterable[str | os.PathLike[str] | None] = (),
 ) -> None:
-    """Check every output (flag -> path, None: not given) before the run starts."""
+    """Check every output (flag -> path, None: not given) before the run starts.
+
+    An input folder (a model folder) stands for every file in it: an existing file under it, or
+    one of its entries reached another way (a hard link, the blob an HF-cache symlink names), is
+    an input too."""
     given = {flag: Path(p) for flag, p in outputs.items() if p is not None}
     seen: dict[tuple[int, int] | str, str] = {}
+    folders: list[Path] = []
     for path in (Path(p) for p in inputs if p is not None):
-        key = _identity(path)
-        if key is not None:
+        if path.is_dir():
+            folders.append(path.resolve())
+            seen.update(_folder_identities(path))
+        elif (key := _identity(path)) is not None:
             seen[key] = f"an input of this run ({path})"
     for flag, path in given.items():
         _check_output(path, flag)
         key = _identity(path) or str(path.resolve())
         if key in seen:
             raise PathError(f"cannot write {flag} {path}: that is {seen[key]}")
+        _refuse_inside(path, flag, folders)
         seen[key] = f"the {flag} file too"
 
 
@@ -151,6 +178,32 @@ def _check_output(path: Path, flag: str) -> None:
         raise PathError(f"cannot write {flag} {path}: {folder}: {e.strerror or e}") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def _folder_identities(folder: Path) -> dict[tuple[int, int], str]:
+    """The files at the top of an input folder (where a model's files are), symlinks followed."""
+    found: dict[tuple[int, int], str] = {}
+    try:
+        with os.scandir(folder) as entries:
+            for _, entry in zip(range(MAX_FOLDER_ENTRIES), entries):
+                key = _identity(Path(entry.path))
+                if key is not None:
+                    found[key] = f"an input of this run ({Path(entry.path)}, in {folder})"
+    except OSError:
+        pass  # an unreadable folder: the loader says so
+    return found
+
+
+def _refuse_inside(path: Path, flag: str, folders: list[Path]) -> None:
+    """An existing file under an input folder may be read by the run: never write over it."""
+    if not os.path.lexists(path):
+        return
+    where = path.resolve()
+    for folder in folders:
+        if where.is_relative_to(folder):
+            raise PathError(
+                f"cannot write {flag} {path}: that is an input of this run (a file in {folder})"
+            )
 
 
 def _lstat_mode(path: Path) -> int | None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
+import re
 import socket
 import threading
 import time
@@ -28,8 +30,13 @@ from .cache_stream import CACHED, EVENTS_PATH, PROTOCOL, decode_codes
 from .engine.block_manager import MISS_REASONS
 from .engine.events import StepSnapshot, event_from_dict
 from .report import cache_numbers
+from .trace.checks import _check_event
 
 MAX_LINE = 64 << 20  # a frame's data line: a snapshot of millions of blocks fits many times
+MAX_DATA = MAX_LINE  # a frame's data lines together: one line or many, the same bound
+# Control characters (C0, DEL, C1) and the bidi controls: a server's text reaching the
+# terminal raw could retitle it, clear it or reorder what it shows. They are shown escaped.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 RETRY_S = (0.5, 1.0, 2.0)  # waits between reconnections, then the last one again
 
 
@@ -123,7 +130,7 @@ class ServerView:
             raise _ProtocolError(str(data.get("reason") or "the server ended the stream"))
         else:
             return  # a newer server's event: skip it
-        self.stats = data.get("stats") if isinstance(data.get("stats"), dict) else None
+        self.stats = checked_stats(data.get("stats"))
         self.status, self.error = "up", None
 
     def _apply_snapshot(self, data: dict[str, Any]) -> None:
@@ -172,6 +179,39 @@ class ServerView:
             return None
 
 
+# A frame's stats (cache_stream.py): each figure a number when present, so what computes with
+# them (views, --json, the fleet's sums) never meets a string or a list from the wire.
+_STAT_NUMBERS = ("idle_s", "finished", "tokens_total", "tokens_per_s", "uptime_s", "time")
+
+
+def checked_stats(stats: Any) -> dict[str, Any] | None:
+    """A frame's ``stats`` if every figure in it has its type; _ProtocolError names the first
+    that has not (the server is then shown down with that reason, not a traceback)."""
+    if stats is None:
+        return None
+    if not isinstance(stats, dict):
+        raise _ProtocolError("a frame's stats are not a JSON object")
+    for name in _STAT_NUMBERS:
+        value = stats.get(name)
+        if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):
+            raise _ProtocolError(f"a frame's stats.{name} is not a number: {str(value)[:40]}")
+    step = stats.get("step")
+    if step is not None:
+        _check_step(step)
+    return stats
+
+
+def _check_step(step: Any) -> None:
+    """The last step's counters, as the engine's StepSnapshot types them."""
+    if not isinstance(step, dict):
+        raise _ProtocolError("a frame's stats.step is not a JSON object")
+    try:
+        snapshot = event_from_dict({"type": "StepSnapshot", **step, "scheduled": []})
+        _check_event(snapshot, num_blocks=1)  # the type tests a trace's readers use
+    except (TypeError, ValueError) as e:
+        raise _ProtocolError(f"a frame's stats.step is malformed ({str(e)[:80]})") from None
+
+
 class Feed(threading.Thread):
     """Reads one server's stream into ``view`` (under ``lock``) until ``stop()``."""
 
@@ -207,14 +247,14 @@ class Feed(threading.Thread):
             try:
                 self._read()
             except _Refused as e:
-                self._set(status="refused", error=str(e))
+                self._set(status="refused", error=printable(str(e)))
                 return
             except (OSError, http.client.HTTPException, _ProtocolError, ValueError) as e:
                 if self._stopped.is_set():
                     return
                 with self.lock:
                     failures = 0 if self.view.status == "up" else failures + 1
-                self._set(status="down", error=_reason(e))
+                self._set(status="down", error=printable(_reason(e)))
             finally:
                 self._close()
             self._stopped.wait(RETRY_S[min(failures, len(RETRY_S) - 1)])
@@ -277,8 +317,9 @@ def _error_message(body: bytes) -> str:
 
 
 def _sse_frames(response: http.client.HTTPResponse) -> Iterable[tuple[str, Any]]:
-    """Server-sent events as ``(event, JSON data)``; comments and ids are skipped."""
-    event, data = "message", []
+    """Server-sent events as ``(event, JSON data)``, every string in them ``printable``;
+    comments and ids are skipped. A frame's data lines hold ``MAX_DATA`` bytes at most."""
+    event, data, size = "message", [], 0
     while True:
         line = response.readline(MAX_LINE + 1)
         if not line:
@@ -289,17 +330,57 @@ def _sse_frames(response: http.client.HTTPResponse) -> Iterable[tuple[str, Any]]
         if not line:
             if data:
                 try:
-                    yield event, json.loads(b"\n".join(data))
+                    yield event, printable_tree(json.loads(b"\n".join(data)))
                 except ValueError:
                     raise _ProtocolError("a frame's data is not JSON") from None
-            event, data = "message", []
+                except RecursionError:  # deeper than the parser's stack: not one of ours
+                    raise _ProtocolError("a frame's data is nested too deeply") from None
+            event, data, size = "message", [], 0
             continue
         name, _, value = line.partition(b":")
         value = value[1:] if value.startswith(b" ") else value
         if name == b"event":
             event = value.decode("utf-8", "replace")
         elif name == b"data":
+            size += len(value) + 1
+            if size > MAX_DATA:  # many short lines: the buffer grows as fast as with one long
+                raise _ProtocolError(f"a frame's data longer than {MAX_DATA:,} bytes")
             data.append(value)
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped (``\\x1b``): safe on a terminal."""
+    if text.isprintable():  # the usual case, checked in C (control characters are not)
+        return text
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable_tree(data: Any) -> Any:
+    """A decoded frame with its strings (keys too) ``printable``, changed in place; walked
+    without recursion, since the server chooses the depth."""
+    if isinstance(data, str):
+        return printable(data)
+    todo = [data]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            items = list(node.items())
+            node.clear()
+            for key, value in items:
+                node[printable(key)] = printable(value) if isinstance(value, str) else value
+            todo += [v for v in node.values() if isinstance(v, dict | list)]
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                if isinstance(value, str):
+                    node[i] = printable(value)
+                elif isinstance(value, dict | list):
+                    todo.append(value)
+    return data
 
 
 def _reason(e: BaseException) -> str:

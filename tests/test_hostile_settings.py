@@ -253,7 +253,7 @@ def test_a_stop_string_with_a_lone_surrogate_is_a_400_like_the_prompt(tiny, tmp_
         url = f"{server.url}/v1/completions"
         # JSON's \ud800 escape: a lone surrogate, as a client can send it.
         for field in ('"prompt": "Hi \\ud800", "stop": "x"', '"prompt": "Hi", "stop": "\\ud800"'):
-            body = '{"max_tokens": 2, %s}' % field
+            body = "{\"max_tokens\": 2, " + field + "}"
             r = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 400, r.text
             assert "surrogate" in r.json()["error"]["message"]
@@ -349,3 +349,45 @@ def test_after_ctrl_c_the_summary_counts_only_tokens_clients_received(tiny, tmp_
     saved = json.loads(report.read_text())
     assert saved["requests"] == 0 and saved["requests_added"] == 2
     assert saved["output_tokens_aborted"] == 0 == saved["output_tokens"], saved
+
+
+# -- item 21: past --shutdown-timeout, one line per cancelled request ---------------------------
+
+
+def test_requests_cancelled_past_the_shutdown_timeout_log_one_line_each(tiny, tmp_path):
+    import signal
+    import threading
+    import time
+
+    import httpx
+    from test_serve import Server
+
+    args = ["--model", str(tiny), "--no-live", "--threads", "1", "--max-num-seqs", "1"]
+    server = Server([*args, "--shutdown-timeout", "1"], tmp_path, {"OMP_NUM_THREADS": "1"})
+
+    def stream() -> None:
+        body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+
+    threads = [threading.Thread(target=stream) for _ in range(24)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # all in: one decoding, the rest waiting for it
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.wait(120)
+        for t in threads:
+            t.join(60)
+    finally:
+        server.stop()
+    log = server.log()
+    assert code == 0, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    cancelled = [line for line in log.splitlines() if "request in flight was cancelled" in line]
+    assert cancelled, log  # 24 requests of 400 tokens, one at a time, outlast 1 s
+    assert all("--shutdown-timeout" in line for line in cancelled)

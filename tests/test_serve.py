@@ -237,6 +237,7 @@ def post(server, path: str, body, *, key: str | None = KEY, raw: bytes | None = 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if raw is None:
         return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
+    headers["Content-Type"] = "application/json"  # what the raw bytes claim to be
     return httpx.post(f"{server.url}{path}", content=raw, headers=headers, timeout=60)
 
 
@@ -337,7 +338,7 @@ def test_a_body_over_the_limit_gets_413(server):
     r = httpx.post(
         f"{server.url}/v1/completions",
         content=chunked(),
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
         timeout=60,
     )
     assert r.status_code == 413

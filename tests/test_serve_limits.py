@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_serve import KEY, SERVER_ARGS, Server, wait_until  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON_AUTH = {**AUTH, "Content-Type": "application/json"}  # raw bytes sent as JSON
 HEADER_TIMEOUT, BODY_TIMEOUT = 0.5, 1.0
 
 
@@ -174,17 +175,17 @@ def test_fifty_mid_body_disconnects_log_fifty_lines_and_no_traceback(server):
 
 def test_deep_json_and_a_non_finite_number_get_a_400(server):
     deep = b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    r = httpx.post(f"{server.url}/v1/completions", content=deep, headers=AUTH, timeout=30)
+    r = httpx.post(f"{server.url}/v1/completions", content=deep, headers=JSON_AUTH, timeout=30)
     assert r.status_code == 400, r.text
     assert "nested" in r.json()["error"]["message"]
     # Brackets inside strings do not nest.
     text = json.dumps({"model": "tiny", "prompt": "[" * 200, "max_tokens": 1})
-    r = httpx.post(f"{server.url}/v1/completions", content=text, headers=AUTH, timeout=30)
+    r = httpx.post(f"{server.url}/v1/completions", content=text, headers=JSON_AUTH, timeout=30)
     assert r.status_code == 200, r.text
     r = httpx.post(
         f"{server.url}/v1/completions",
         content=b'{"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 1e999}',
-        headers=AUTH,
+        headers=JSON_AUTH,
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text

@@ -20,6 +20,7 @@ from .options import (
     DebugOpt,
     JsonOpt,
     RequestMaxTokensOpt,
+    check_bound_memory,
     check_dry_run_memory,
     check_format,
     parse_rate,
@@ -128,6 +129,7 @@ def advise_cmd(
             pf = read_prompts(file, fmt, limit)
             encoder = PromptEncoder(model, chat, max_prompt_tokens=bs * n)
             workload = advising.prompt_file_workload(pf, encoder, defaults, rate_value)
+        check_bound_memory(advising.never_evicting_size(workload, config))
         advice = advising.advise(workload, config, jobs or advising.default_jobs())
     if json_out:
         print_json(advice)

@@ -108,16 +108,41 @@ def want_live(live: bool | None, json_out: bool) -> bool:
 DRY_RUN_BYTES_PER_BLOCK = 400
 
 
+# What a fleet what-if's instance takes besides its blocks (measured: ~12 KB, its engine,
+# scheduler and router books).
+DRY_RUN_BYTES_PER_INSTANCE = 16 << 10
+
+
 def check_dry_run_memory(num_blocks: int) -> None:
     """Refuse a dry-run cache whose books alone would not fit in the memory left (the
     address-space limit, else MemAvailable), before it is built."""
     need = num_blocks * DRY_RUN_BYTES_PER_BLOCK
+    _check_fits(need, f"a dry-run cache of {num_blocks:,} blocks", "--num-blocks")
+
+
+def check_bound_memory(num_blocks: int) -> None:
+    """The same for advise's never-evicting cache, sized by the requests themselves."""
+    need = num_blocks * DRY_RUN_BYTES_PER_BLOCK
+    what = f"a cache that never evicts for these requests ({num_blocks:,} blocks)"
+    _check_fits(need, what, "--limit/--max-tokens")
+
+
+def check_fleet_memory(instances: int, num_blocks: int, blocks_given: bool) -> None:
+    """The same for a fleet what-if: ``instances`` engines of ``num_blocks`` (given, or the
+    default cache's), then the one-cache bound's engine of them all (never both at once)."""
+    need = instances * (num_blocks * DRY_RUN_BYTES_PER_BLOCK + DRY_RUN_BYTES_PER_INSTANCE)
+    blocks = f"{num_blocks:,} block{'s' if num_blocks > 1 else ''}"
+    what = f"a fleet of {instances:,} instances of {blocks}"
+    _check_fits(need, what, "--instances/--num-blocks" if blocks_given else "--instances")
+
+
+def _check_fits(need: int, what: str, flag: str) -> None:
     free = _memory_free()
     if free is not None and need > free:
         raise typer.BadParameter(
-            f"a dry-run cache of {num_blocks:,} blocks needs about {need / 2**30:.1f} GiB for "
-            f"its books but only {max(free, 0) / 2**30:.1f} GiB is free; lower it",
-            param_hint="--num-blocks",
+            f"{what} needs about {need / 2**30:.1f} GiB for its books but only "
+            f"{max(free, 0) / 2**30:.1f} GiB is free; lower it",
+            param_hint=flag,
         )
 
 

@@ -13,7 +13,7 @@ import typer
 from ..engine.sampling_params import SamplingParams
 from ..fleet import RouterName
 from ..fleet_report import FleetOptionError, check_fleet_options
-from ..paths import check_model_path, check_outputs
+from ..paths import check_model_path, check_outputs, model_inputs
 from ..prompts import FORMATS, read_prompts
 from ..replay import (
     DRY_RUN_CACHE_TOKENS,
@@ -36,6 +36,7 @@ from .options import (
     LiveOpt,
     ModelOpt,
     check_dry_run_memory,
+    check_fleet_memory,
     check_format,
     parse_int_list,
     parse_rate,
@@ -175,7 +176,7 @@ def replay_cmd(
     with user_errors(debug):
         check_model_path(model)
         outputs = {"--report": report, "--record": record, "--per-request": per_request}
-        check_outputs(outputs, inputs=[file, model])  # before the run, not after it
+        check_outputs(outputs, inputs=[file, *model_inputs(model)])  # before the run
         pf = read_prompts(file, fmt, limit)
         if fleet:
             _print_fleet(fleet_what_if(pf, plan, instances, router), json_out, report)
@@ -222,8 +223,8 @@ def _check_plan(
         fleet = check_fleet_options(instances, router, dry_run=dry_run, **flags)
     except FleetOptionError as e:
         raise typer.BadParameter(str(e), param_hint=e.flag) from None
-    if fleet and sizes:
-        check_dry_run_memory(sizes[0] * instances)  # the one-cache bound's engine
+    if fleet:  # the default cache too: a fleet of them can be as big as any given
+        check_fleet_memory(instances, plan.grid[0][1], blocks_given=bool(sizes))
     return fleet
 
 

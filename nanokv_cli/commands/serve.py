@@ -10,7 +10,7 @@ import typer
 
 from ..engine.config import EngineConfig
 from ..kv_events import KVEventsConfig, parse_kv_events_config
-from ..paths import check_model_path, check_outputs
+from ..paths import check_model_path, check_outputs, model_inputs
 from .engine_options import EngineFlags, engine_options
 from .errors import user_errors
 from .models import make_llm
@@ -179,7 +179,7 @@ def serve_cmd(
     )
     with user_errors(debug):
         check_model_path(model)
-        check_outputs({"--report": report, "--record": record}, inputs=[model])
+        check_outputs({"--report": report, "--record": record}, inputs=model_inputs(model))
         from ..serve import ServeLimits, bind_socket, serve
         from ..views.tables import summary_table
 

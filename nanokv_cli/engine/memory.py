@@ -5,6 +5,8 @@ says what to lower instead of a traceback or the OOM killer."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +65,19 @@ def memory_limits() -> list[MemoryLimit]:
     """Each limit that applies here (address space, cgroup, MemAvailable), for reports."""
     limits = (_address_space_limit(), _cgroup_limit(), _available_memory())
     return [x for x in limits if x is not None]
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed to glibc back to the OS (``malloc_trim``). A CPU run pins glibc's
+    thresholds so it keeps what it frees (``run_plan.keep_freed_memory``): right for a decode
+    step's buffers, used again at once, but a one-off burst (packing weights, tokenizing a
+    huge text) would then stay in the process for good."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def format_bytes(size: int) -> str:

@@ -20,8 +20,6 @@ GGUF file's float copy is never made (the loader dequantizes lazily, only what s
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +39,7 @@ from .cpu.formats import (
 )
 from .layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from .layers.linear import LinearBase
+from .memory import release_freed_memory
 from .models import load_weights
 
 QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", "int8", "int4")
@@ -113,7 +112,7 @@ def pack_model(
                 packed += 1
     packed += _pack_vocab(model, mode, weights, blocks)
     load_weights(model, weights)  # what is left: norms and layers that stay float
-    _release_freed_memory()
+    release_freed_memory()  # packing's temporaries
     return packed
 
 
@@ -224,16 +223,6 @@ def _hf_names(path: str, fused: dict[str, list[str]]) -> list[str]:
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, name, module)
-
-
-def _release_freed_memory() -> None:
-    """Hand packing's temporaries back to the OS (glibc keeps them otherwise)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def load_layers(

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from .chat_template import TemplateLimits, render_chat_template
+from .memory import release_freed_memory
 from .tokenizer_errors import ChatTemplateError, TokenizerError  # also importable from here
 
 # llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`) -> the split regex of the matching
@@ -55,6 +56,9 @@ _LLAMA3_STYLE = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"}
 # The longest text tokenized in one call: the Rust tokenizer takes ~130 bytes of memory per
 # byte of text (2 GB for this much) and aborts the process when an allocation fails.
 MAX_TEXT_BYTES = 1 << 24
+# Tokenizing text this long (characters) takes temporaries of hundreds of bytes a character,
+# which glibc keeps when a CPU run has pinned its thresholds: handed back after each such text.
+LARGE_TEXT = 1 << 16
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -102,7 +106,10 @@ class Tokenizer:
         `MAX_TEXT_BYTES`, or, with `max_tokens`, more bytes than that many tokens can hold.
         """
         self.check_text(text, max_tokens)
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) >= LARGE_TEXT:  # a server refusing huge prompts must not grow with each
+            release_freed_memory()
+        return ids
 
     @cached_property
     def max_bytes_per_token(self) -> int:

@@ -13,14 +13,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..cache_stream import EVENTS_PATH, CacheStream, WatcherLimit
 from .json_body import read_json_body
 from .limits import ServeLimits
-from .middleware import ApiKeyMiddleware, ConcurrencyLimit
+from .middleware import ApiKeyMiddleware, ConcurrencyLimit, TrailingSlash
 from .protocol import ApiError, ChatBody, ClientGone, CompletionBody, validate_body
 from .serving import ServerState
 
 
 def create_app(state: ServerState, limits: ServeLimits | None = None) -> FastAPI:
     limits = limits or ServeLimits()
-    app = FastAPI(title="nanokv", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="nanokv", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
+    )
     _add_error_handlers(app)
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
@@ -29,6 +31,7 @@ def create_app(state: ServerState, limits: ServeLimits | None = None) -> FastAPI
         app.add_middleware(
             ApiKeyMiddleware, api_key=state.api_key, guard_metrics=state.guard_metrics
         )
+    app.add_middleware(TrailingSlash)  # outermost: every other layer sees the route's path
     return app
 
 

@@ -23,6 +23,7 @@ _log = logging.getLogger("uvicorn.error")  # uvicorn's handlers: the server's lo
 
 
 async def read_json_body(request: HttpRequest) -> dict[str, Any]:
+    await _check_json_type(request)
     too_large = ApiError(
         413, f"the request body is larger than {MAX_BODY_BYTES:,} bytes", code="request_too_large"
     )
@@ -51,6 +52,24 @@ async def read_json_body(request: HttpRequest) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+async def _check_json_type(request: HttpRequest) -> None:
+    """A body is JSON only if it says so (``application/json`` or ``*/*+json``), as FastAPI
+    requires. A browser sends ``text/plain``, a form or no type at all cross-site without a
+    preflight, so reading those as JSON would let any web page run generations here."""
+    kind = request.headers.get("content-type", "")
+    media = kind.partition(";")[0].strip().lower()
+    main, _, sub = media.partition("/")
+    if main == "application" and (sub == "json" or sub.endswith("+json")):
+        return
+    await _drain(request)  # so the client reads the answer
+    raise ApiError(
+        415,
+        f"the body must be JSON sent with 'Content-Type: application/json', "
+        f"not {'no Content-Type' if not kind else repr(kind[:100])}",
+        code="unsupported_media_type",
+    )
 
 
 def _log_gone_mid_body(request: HttpRequest, size: int, length: str | None) -> None:

@@ -1,5 +1,5 @@
-"""The ASGI middlewares that admit a request before the app sees it: the API key, and the bound
-on requests in flight."""
+"""The ASGI middlewares that admit a request before the app sees it: one path per route, the
+API key, and the bound on requests in flight."""
 
 from __future__ import annotations
 
@@ -9,6 +9,23 @@ from ..cache_stream import EVENTS_PATH
 from .protocol import ApiError
 
 _PROBES = ("/health", "/metrics")  # never refused for load: monitoring must see an overload
+
+
+class TrailingSlash:
+    """``/metrics/`` is answered as ``/metrics``, not redirected: Starlette's redirect builds
+    an absolute URL from the ``Host`` header, which a client (or a proxy) chooses. Outermost,
+    so the key and the limits see the path the routes see."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = dict(scope, path=path.rstrip("/") or "/")
+            if isinstance(scope.get("raw_path"), bytes):
+                scope["raw_path"] = scope["raw_path"].rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 
 import uvicorn
@@ -16,7 +17,7 @@ from .limits import ServeLimits
 def uvicorn_config(app, limits: ServeLimits, *, live: bool, shutdown_timeout: float):
     """The server's settings; made inside the live view, so uvicorn's log handlers write above
     it (and quieter under it: no access log)."""
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app,
         log_level="warning" if live else "info",
         access_log=not live,
@@ -26,6 +27,26 @@ def uvicorn_config(app, limits: ServeLimits, *, live: bool, shutdown_timeout: fl
         http=functools.partial(BoundedHttp, limits, limits.max_connections()),
         timeout_keep_alive=limits.timeout_keep_alive,
     )
+    errors = logging.getLogger("uvicorn.error")  # configured by the Config just made
+    if not any(isinstance(f, CancelledAtShutdown) for f in errors.filters):
+        errors.addFilter(CancelledAtShutdown())
+    return config
+
+
+class CancelledAtShutdown(logging.Filter):
+    """A request still running when ``--shutdown-timeout`` runs out is cancelled: the
+    documented way down, so one line says so instead of uvicorn's traceback of every layer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, asyncio.CancelledError):
+            record.msg = (
+                "nanokv: a request in flight was cancelled: the shutdown timeout "
+                "(--shutdown-timeout) ran out before it finished"
+            )
+            record.args = ()
+            record.exc_info = record.exc_text = None
+        return True
 
 
 class BoundedHttp(HttpToolsProtocol):
