@@ -70,6 +70,12 @@ RATE_WINDOW_S = 2.0
 _CHANGES_BLOCK = (BlockAllocated, BlockFreed, BlockHit, BlockStored, BlockRemoved)
 
 
+# While a watcher is being refused, every frame is followed by this comment: 16 KB a frame
+# (about 16 KB a second when idle) fills a reader's kernel buffers in seconds if it reads nothing.
+PROBE_S = 60.0
+PROBE_PADDING = ":" + " " * (16 << 10) + "\n\n"
+
+
 class WatcherLimit(Exception):
     """No room for another watcher (or the stream has closed)."""
 
@@ -256,6 +262,7 @@ class CacheStream:
         self._pump: asyncio.Task | None = None
         self._snapshot: str | None = None  # this frame's, once built
         self._sent: StepSnapshot | None = None  # the step the last frame showed
+        self.probe_until = 0.0  # until then every frame is followed by PROBE_PADDING
 
     def start(self) -> None:
         """Apply the engine's steps every ``interval`` from now on (call in the event loop)."""
@@ -278,7 +285,12 @@ class CacheStream:
         if self.closed:
             raise WatcherLimit("the server is shutting down")
         if len(self.watchers) >= self.max_watchers:
-            raise WatcherLimit(f"{self.max_watchers} watchers are connected, the limit")
+            # Someone is waiting: make every watcher show it still reads (see ``frames``).
+            self.probe_until = time.monotonic() + PROBE_S
+            raise WatcherLimit(
+                f"{self.max_watchers} watchers are connected, the limit; those that read "
+                f"nothing are closed within a minute, so try again then"
+            )
         self.start()
         w = _Watcher(self.queue_frames)
         w.put(self.snapshot_frame(), self.snapshot_frame)
@@ -294,6 +306,12 @@ class CacheStream:
                 yield _sse("bye", {"reason": "the server is shutting down"})
                 return
             yield frame
+            if time.monotonic() < self.probe_until:
+                # A watcher was refused. Idle frames are small, so a watcher that reads nothing
+                # would take many minutes to fill its kernel buffers and stall: padding (an SSE
+                # comment, which readers skip) fills them in seconds, and the server closes a
+                # stalled response (``timeout_write``), freeing its place.
+                yield PROBE_PADDING
 
     def discard(self, w: _Watcher) -> None:
         self.watchers.discard(w)

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tokenizer_files
+from tiny_models import make_tiny_model, make_tokenizer_files
 
-from nanokv_cli.cache_stream import PROTOCOL, encode_codes
+from nanokv_cli.cache_stream import EVENTS_PATH, PROTOCOL, encode_codes
 
 REPO = Path(__file__).resolve().parents[1]
 # A dry run, advise or top stays off torch and works under 1 GiB; the findings took 4 to 8 GB.
@@ -520,3 +520,77 @@ def test_refused_huge_prompts_do_not_grow_the_server(server):
         assert r.status_code == 400 and "exceeds the model's length" in r.text, r.text
     # Before the fix each kept ~65 MB (glibc held the tokenizer's temporaries): 1.3 GB here.
     assert rss_mib(server.proc.pid) - before < 300
+
+
+# -- 9: watchers that read nothing do not lock top out ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def watched_server(tmp_path_factory):
+    from test_serve import Server
+
+    tiny = make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
+    workdir = tmp_path_factory.mktemp("watched")
+    server = Server(["--model", str(tiny), "--no-live", "--threads", "1"], workdir)
+    yield server
+    server.stop()
+
+
+def idle_watcher(url: str) -> socket.socket:
+    """A cache-stream watcher that never reads: its receive buffer as small as the kernel
+    allows, so the test takes seconds, not minutes."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(f"GET {EVENTS_PATH} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    return sock
+
+
+def test_watchers_that_read_nothing_are_closed_and_top_gets_in(watched_server):
+    import httpx
+
+    url = watched_server.url
+    got: list[int] = []
+    stop = threading.Event()
+
+    def reading_watcher() -> None:  # a real reader: it must keep its place
+        try:
+            with httpx.stream("GET", url + EVENTS_PATH, timeout=30) as r:
+                got.append(r.status_code)
+                for _ in r.iter_bytes():
+                    got.append(0)
+                    if stop.is_set():
+                        return
+        except httpx.HTTPError:  # closed: the test sees it stop (is_alive, got)
+            return
+
+    reader = threading.Thread(target=reading_watcher, daemon=True)
+    reader.start()
+    time.sleep(1.0)
+    idle = [idle_watcher(url) for _ in range(15)]  # with the reader: all 16 places
+    try:
+        time.sleep(1.0)
+        refused = httpx.get(url + EVENTS_PATH, timeout=10)
+        assert refused.status_code == 503 and "try again" in refused.text, refused.text
+        t0 = time.monotonic()
+        admitted = None
+        while time.monotonic() - t0 < 60 and admitted is None:
+            with httpx.stream("GET", url + EVENTS_PATH, timeout=10) as r:
+                if r.status_code == 200:
+                    admitted = time.monotonic() - t0
+                    next(r.iter_lines())  # its snapshot came
+            time.sleep(1.0)
+        assert admitted is not None, watched_server.log()[-3000:]
+        assert admitted < 45, admitted
+        before = len(got)
+        time.sleep(2.5)
+        assert reader.is_alive() and len(got) > before  # the reader still gets its frames
+    finally:
+        stop.set()
+        for sock in idle:
+            sock.close()
+    log = watched_server.log()
+    assert "Traceback" not in log
+    closed = [line for line in log.splitlines() if "took nothing of" in line]
+    assert closed and all(EVENTS_PATH in line for line in closed), log[-3000:]

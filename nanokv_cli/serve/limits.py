@@ -16,6 +16,7 @@ class ServeLimits:
     timeout_header: float = 10.0  # from a request's first byte (or the connection's) to its headers
     timeout_body: float = 30.0  # from the headers to the body's last byte
     max_watchers: int = 16  # cache-stream watchers (nanokv top): then 503
+    timeout_write: float = 10.0  # a response its client takes nothing of for this long: closed
 
     def max_connections(self) -> int:
         if self.limit_connections is not None:

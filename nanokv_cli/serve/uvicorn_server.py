@@ -6,12 +6,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 from collections.abc import Callable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ..cache_stream import EVENTS_PATH
 from .limits import ServeLimits
+
+_log = logging.getLogger("uvicorn.error")  # uvicorn's handlers: the server's log, its format
+# The kernel's send buffer of a cache-stream connection (it doubles it): a few seconds of frames.
+WATCHER_SEND_BUFFER = 32 << 10
 
 
 def uvicorn_config(app, limits: ServeLimits, *, live: bool, shutdown_timeout: float):
@@ -54,13 +60,20 @@ class BoundedHttp(HttpToolsProtocol):
     ``max_connections`` is closed as it is accepted (the descriptors stay bounded), a request's
     headers must arrive within ``timeout_header`` of its first byte (or of the connection's
     start: a silent connection is a slow header) and its body within ``timeout_body`` of them.
-    A slow header gets a 408; a slow body is closed, and the handler logs it in one line."""
+    A slow header gets a 408; a slow body is closed, and the handler logs it in one line.
+
+    A response its client takes nothing of for ``timeout_write`` (the kernel's buffer full and
+    writing paused) is closed too, with one line: else a cache-stream watcher that never reads
+    would hold its place (of ``max_watchers``) for good. A watcher's stream has no buffer of
+    ours and a small kernel one, so one that reads nothing stalls once the kernel's fill (the
+    stream fills them fast while a watcher is being refused: ``CacheStream.open``)."""
 
     def __init__(self, limits: ServeLimits, max_connections: int, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
         self.max_connections = max_connections
         self.deadline: asyncio.TimerHandle | None = None
+        self.stalled: asyncio.TimerHandle | None = None  # set while writing is paused
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -71,7 +84,22 @@ class BoundedHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.stalled is None:
+            self.stalled = self.loop.call_later(self.limits.timeout_write, self._slow_reader)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
+
+    def _unstall(self) -> None:
+        if self.stalled is not None:
+            self.stalled.cancel()
+            self.stalled = None
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -81,6 +109,13 @@ class BoundedHttp(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         self._arm(self.limits.timeout_body, self._slow_body)
+        if self.scope["path"].rstrip("/") == EVENTS_PATH:
+            # A watcher's frames wait in the kernel only, a bounded amount of it: one that
+            # reads nothing pauses writing once that is full.
+            self.transport.set_write_buffer_limits(high=0)
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, WATCHER_SEND_BUFFER)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -104,6 +139,20 @@ class BoundedHttp(HttpToolsProtocol):
                 b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
             )
         self.transport.close()
+
+    def _slow_reader(self) -> None:
+        self.stalled = None
+        if self.transport.is_closing():
+            return
+        who = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        path = self.scope["path"] if self.cycle is not None else "?"
+        _log.warning(
+            'nanokv: %s took nothing of "%s" for %g s; closed',
+            who,
+            path,
+            self.limits.timeout_write,
+        )
+        self.transport.abort()  # close() would wait for the buffer to drain: never
 
     def _slow_body(self) -> None:
         self.deadline = None
