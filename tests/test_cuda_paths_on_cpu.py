@@ -8,7 +8,6 @@ that every CUDA run would meet.
   ``.view`` of it. Here SDPA is made to answer with the same numbers laid out that way.
 """
 
-import json
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -16,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, read_model
 
 from nanokv_cli.engine import kv_cache, model_runner
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
@@ -29,12 +27,7 @@ from nanokv_cli.engine.sequence import Sequence
 
 @cache
 def tiny(arch: str, root: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    folder = make_tiny_model(arch, Path(root) / arch)
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        weights |= load_file(str(file))
-    return config, weights
+    return read_model(make_tiny_model(arch, Path(root) / arch))[:2]
 
 
 @pytest.fixture(scope="module")

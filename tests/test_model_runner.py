@@ -5,7 +5,6 @@ tests exercise the runner alone: paged K/V writes and reads, prefix-cache hits, 
 mixed prefill/decode batches, preemption by recompute, and block sizes 1, 16 and 256.
 """
 
-import json
 import socket
 from dataclasses import replace
 from functools import cache
@@ -13,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from tiny_models import make_tiny_model
+from tiny_models import Driver, make_tiny_model, read_model
 
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
@@ -24,7 +22,6 @@ from nanokv_cli.engine.model_runner import (
     resolve_dtype,
 )
 from nanokv_cli.engine.run_plan import resolve_plan
-from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
 
 LLAMA3_ROPE = {
@@ -50,14 +47,6 @@ ATOL = 1e-4
 def tiny(name: str, root: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
     arch, overrides = VARIANTS[name]
     return read_model(make_tiny_model(arch, Path(root) / name, **overrides))
-
-
-def read_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        weights |= load_file(str(file))
-    return config, weights, folder
 
 
 @cache
@@ -110,63 +99,6 @@ def make_runner(config, weights, *, block_size=16, num_blocks=256, dtype="float3
         **kw,
     )
     return ModelRunner(config, weights, settings)
-
-
-class Driver:
-    """A stand-in for the scheduler and block manager: FIFO free list, no prefix hashing."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.bs = runner.block_size
-        self.free = list(range(runner.num_blocks))
-        self.step_kinds: list[set[str]] = []
-
-    def new(self, prompt: list[int]) -> Sequence:
-        return Sequence(prompt, SamplingParams(temperature=0.0), block_size=self.bs)
-
-    def step(self, plan: list[tuple[Sequence, int]]) -> list[int]:
-        """Compute ``n`` more tokens of each seq; append the sampled token where a seq is done."""
-        for seq, n in plan:
-            seq.num_scheduled_tokens = n
-            while len(seq.block_table) * self.bs < seq.num_cached_tokens + n:
-                seq.block_table.append(self.free.pop(0))
-        self.step_kinds.append({"decode" if n == 1 else "prefill" for _, n in plan})
-        tokens = self.run([seq for seq, _ in plan])
-        for (seq, n), token in zip(plan, tokens):
-            seq.num_cached_tokens += n
-            if seq.num_cached_tokens == seq.num_tokens:  # an unfinished chunk's token is dropped
-                seq.append_token(token)
-        return tokens
-
-    def run(self, seqs: list[Sequence]) -> list[int]:
-        return self.runner.run(seqs)
-
-    def release(self, seq: Sequence) -> None:
-        self.free = seq.block_table + self.free  # reused first: later writes overwrite them
-        seq.block_table = []
-        seq.num_cached_tokens = 0
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_new: int,
-        chunk: int | None = None,
-        arrivals: list[int] | None = None,
-    ) -> list[list[int]]:
-        """Continuous batching: seq i joins at step arrivals[i]; prompts go in chunks of `chunk`."""
-        seqs = [self.new(p) for p in prompts]
-        arrivals = arrivals or [0] * len(seqs)
-        step = 0
-        while any(s.num_completion_tokens < max_new for s in seqs):
-            plan = []
-            for seq, arrival in zip(seqs, arrivals):
-                if arrival <= step and seq.num_completion_tokens < max_new:
-                    todo = seq.num_tokens - seq.num_cached_tokens
-                    plan.append((seq, min(todo, chunk or todo)))
-            if plan:
-                self.step(plan)
-            step += 1
-        return [s.completion_token_ids for s in seqs]
 
 
 # -- parity with transformers -------------------------------------------------------------------

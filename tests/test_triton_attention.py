@@ -9,7 +9,6 @@ runs). It is set for the import below and for this module's tests, and put back 
 so other test files (and the processes they start) never see it. Needs triton, no GPU.
 """
 
-import json
 import os
 from dataclasses import replace
 from functools import cache
@@ -35,8 +34,7 @@ pytest.importorskip(
 )
 _interpret(_PREVIOUS)
 
-from safetensors.torch import load_file  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from tiny_models import Driver, make_tiny_model, read_model  # noqa: E402
 
 from nanokv_cli import doctor  # noqa: E402
 from nanokv_cli.engine import triton_attention  # noqa: E402
@@ -47,8 +45,6 @@ from nanokv_cli.engine.run_plan import (  # noqa: E402
     captures_graphs,
     choose_attention,
 )
-from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
-from nanokv_cli.engine.sequence import Sequence  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -197,12 +193,7 @@ def test_query_tiles_cover_each_sequence():
 
 @cache
 def tiny(arch: str, root: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    folder = make_tiny_model(arch, Path(root) / arch)
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        weights |= load_file(str(file))
-    return config, weights
+    return read_model(make_tiny_model(arch, Path(root) / arch))[:2]
 
 
 @pytest.fixture(scope="module")
@@ -215,49 +206,6 @@ def runner_for(config, weights, backend="auto", **kw) -> ModelRunner:
     base = {"block_size": 16, "num_blocks": 64, "device": "cpu", "max_model_len": 256}
     settings = EngineConfig(**{**base, "threads": 1, "attention_backend": backend, **kw})
     return ModelRunner(config, weights, settings)
-
-
-class Driver:
-    """The scheduler's part: blocks from a free list, chunks of ``chunk`` prompt tokens."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner, self.bs = runner, runner.block_size
-        self.free = list(range(runner.num_blocks))
-
-    def new(self, prompt: list[int]) -> Sequence:
-        return Sequence(prompt, SamplingParams(temperature=0.0), block_size=self.bs)
-
-    def step(self, plan: list[tuple[Sequence, int]]) -> list[int]:
-        for seq, n in plan:
-            seq.num_scheduled_tokens = n
-            while len(seq.block_table) * self.bs < seq.num_cached_tokens + n:
-                seq.block_table.append(self.free.pop(0))
-        tokens = self.runner.run([seq for seq, _ in plan])
-        for (seq, n), token in zip(plan, tokens):
-            seq.num_cached_tokens += n
-            if seq.num_cached_tokens == seq.num_tokens:  # an unfinished chunk's is dropped
-                seq.append_token(token)
-        return tokens
-
-    def generate(self, prompts, max_new, chunk=None, arrivals=None) -> list[list[int]]:
-        """Continuous batching: seq i joins at step arrivals[i], its prompt in chunks."""
-        seqs = [self.new(p) for p in prompts]
-        arrivals = arrivals or [0] * len(seqs)
-        step = 0
-        while any(s.num_completion_tokens < max_new for s in seqs):
-            plan = []
-            for seq, arrival in zip(seqs, arrivals):
-                if arrival <= step and seq.num_completion_tokens < max_new:
-                    todo = seq.num_tokens - seq.num_cached_tokens
-                    plan.append((seq, min(todo, chunk or todo)))
-            if plan:
-                self.step(plan)
-            step += 1
-        return [s.completion_token_ids for s in seqs]
-
-    def release(self, seq: Sequence) -> None:
-        self.free = seq.block_table + self.free  # reused first: later writes overwrite them
-        seq.block_table, seq.num_cached_tokens = [], 0
 
 
 def prompt_of(length: int, salt: int = 0) -> list[int]:

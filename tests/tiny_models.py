@@ -24,6 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+
+from nanokv_cli.engine.config import ModelConfig
+from nanokv_cli.engine.model_runner import ModelRunner
+from nanokv_cli.engine.sampling_params import SamplingParams
+from nanokv_cli.engine.sequence import Sequence
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -290,3 +296,72 @@ def _llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
             smooth = (original / wavelen - low) / (high - low)
             factors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(factors, dtype=np.float32)
+
+
+# -- a model runner driven without the engine ------------------------------------------------------
+
+
+def read_model(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """A tiny model's config and weights, as a runner takes them, and its folder."""
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights |= load_file(str(file))
+    return config, weights, folder
+
+
+class Driver:
+    """A stand-in for the scheduler and block manager: FIFO free list, no prefix hashing."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.bs = runner.block_size
+        self.free = list(range(runner.num_blocks))
+        self.step_kinds: list[set[str]] = []
+
+    def new(self, prompt: list[int]) -> Sequence:
+        return Sequence(prompt, SamplingParams(temperature=0.0), block_size=self.bs)
+
+    def step(self, plan: list[tuple[Sequence, int]]) -> list[int]:
+        """Compute ``n`` more tokens of each seq; append the sampled token where a seq is done."""
+        for seq, n in plan:
+            seq.num_scheduled_tokens = n
+            while len(seq.block_table) * self.bs < seq.num_cached_tokens + n:
+                seq.block_table.append(self.free.pop(0))
+        self.step_kinds.append({"decode" if n == 1 else "prefill" for _, n in plan})
+        tokens = self.run([seq for seq, _ in plan])
+        for (seq, n), token in zip(plan, tokens):
+            seq.num_cached_tokens += n
+            if seq.num_cached_tokens == seq.num_tokens:  # an unfinished chunk's token is dropped
+                seq.append_token(token)
+        return tokens
+
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        return self.runner.run(seqs)
+
+    def release(self, seq: Sequence) -> None:
+        self.free = seq.block_table + self.free  # reused first: later writes overwrite them
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new: int,
+        chunk: int | None = None,
+        arrivals: list[int] | None = None,
+    ) -> list[list[int]]:
+        """Continuous batching: seq i joins at step arrivals[i]; prompts go in chunks of `chunk`."""
+        seqs = [self.new(p) for p in prompts]
+        arrivals = arrivals or [0] * len(seqs)
+        step = 0
+        while any(s.num_completion_tokens < max_new for s in seqs):
+            plan = []
+            for seq, arrival in zip(seqs, arrivals):
+                if arrival <= step and seq.num_completion_tokens < max_new:
+                    todo = seq.num_tokens - seq.num_cached_tokens
+                    plan.append((seq, min(todo, chunk or todo)))
+            if plan:
+                self.step(plan)
+            step += 1
+        return [s.completion_token_ids for s in seqs]
