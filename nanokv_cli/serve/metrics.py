@@ -128,26 +128,27 @@ class Metrics:
 
     def _prompt_source_metrics(self, reg: CollectorRegistry, model_name: str) -> None:
         """Where started requests' prompt tokens came from: vLLM's by-source counters."""
-        by_source = Counter(
+
+        def by_source(name: str, doc: str, sources: tuple[str, ...]) -> dict[str, Any]:
+            counter = Counter(name, doc, ["model_name", "source"], registry=reg)
+            return {s: counter.labels(model_name, s) for s in sources}
+
+        self.by_source = by_source(
             "vllm:prompt_tokens_by_source",
             "Prompt tokens of started requests by where their K/V came from.",
-            ["model_name", "source"],
-            registry=reg,
+            PROMPT_SOURCES,
         )
-        self.by_source = {s: by_source.labels(model_name, s) for s in PROMPT_SOURCES}
         self.cached_tokens = Counter(
             "vllm:prompt_tokens_cached",
             "Prompt tokens of started requests served from a cache.",
             ["model_name"],
             registry=reg,
         ).labels(model_name)
-        cached_by_source = Counter(
+        self.cached_by_source = by_source(
             "vllm:prompt_tokens_cached_by_source",
             "Prompt tokens served from a cache, by the tier that held them.",
-            ["model_name", "source"],
-            registry=reg,
+            CACHED_SOURCES,
         )
-        self.cached_by_source = {s: cached_by_source.labels(model_name, s) for s in CACHED_SOURCES}
         self.prefill_computed = Histogram(
             "vllm:request_prefill_kv_computed_tokens",
             "Prompt tokens a request's prefill computed (its prompt less the cached tokens).",
