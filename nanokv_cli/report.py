@@ -53,7 +53,9 @@ class RunStats:
         # The dry-run upper bound: fed each prompt as it is added, each block the engine
         # stores, and each finished sequence's tokens (``learn``).
         self.infinite = infinite
-        self._prompts: dict[int, Any] = {}  # of unfinished sequences, while ``infinite`` learns
+        # Of unfinished sequences while ``infinite`` learns in token mode: the prompt's last
+        # full block's hash and the tokens after it.
+        self._prompts: dict[int, tuple[int, Any]] = {}
         self.divergence = divergence
         self.on_request = on_request
         self.latencies = latencies
@@ -126,8 +128,11 @@ class RunStats:
         elif t is SequenceAdded:
             self.requests += 1
             if self.infinite is not None:
-                self.infinite.add(event.prompt_token_ids)
-                self._prompts[event.seq_id] = event.prompt_token_ids
+                prompt = event.prompt_token_ids
+                blocks = self.infinite.add(prompt)
+                if self.infinite.tokens:  # where its last block will start, to learn it at the end
+                    rest = prompt[len(blocks) * self.infinite.block_size :]
+                    self._prompts[event.seq_id] = (blocks[-1][0] if blocks else -1, rest)
             if self.on_request is not None:
                 # Keys in the order a reader wants them; the rest is filled in as it happens.
                 self._live[event.seq_id] = {
@@ -164,9 +169,10 @@ class RunStats:
         """Show the infinite cache the sequences that finished this step, whole."""
         for out in outputs:
             if out.finished:
-                prompt = self._prompts.pop(out.seq_id, None)
-                if prompt is not None:
-                    self.infinite.finished([*prompt, *out.token_ids])
+                started = self._prompts.pop(out.seq_id, None)
+                if started is not None:
+                    parent, rest = started
+                    self.infinite.finished(parent, [*rest, *out.token_ids])
 
     def observe(self, outputs: list[RequestOutput], now: float) -> None:
         """Record token latencies from one step's outputs (``now``: the engine clock)."""
@@ -424,19 +430,19 @@ class InfiniteCache:
             if self.tokens:
                 self._remember(parent, token_ids)
 
-    def finished(self, token_ids) -> None:
-        """A sequence ended with ``token_ids`` (prompt and output): its partly filled last block
-        stays in the cache, which token-granular reuse can copy from. It holds every token but
-        the last sampled one, whose K/V no step computed."""
+    def finished(self, parent: int, token_ids) -> None:
+        """A sequence ended with ``token_ids`` after the full blocks chained into ``parent``
+        (its prompt's last full block's hash, -1 for none; then the prompt's rest and the
+        output): its partly filled last block stays in the cache, which token-granular reuse
+        can copy from. It holds every token but the last sampled one, whose K/V no step
+        computed."""
         computed = token_ids[:-1]
         if not self.tokens or not len(computed) % self.block_size:
             return  # a full last block was stored as such
-        bs, prefix = self.block_size, -1
-        token_ids = computed
-        full = len(token_ids) // bs * bs
+        bs, full = self.block_size, len(computed) // self.block_size * self.block_size
         for i in range(0, full, bs):
-            prefix = BlockManager.compute_hash(token_ids[i : i + bs], prefix)
-        self._remember(prefix, token_ids[full:])
+            parent = BlockManager.compute_hash(computed[i : i + bs], parent)
+        self._remember(parent, computed[full:])
 
     def _remember(self, parent: int, block: list[int]) -> None:
         self.first_tokens.add((parent, int(block[0])))
