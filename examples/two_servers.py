@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import signal
@@ -45,7 +44,8 @@ from pathlib import Path
 
 import httpx
 
-from nanokv_cli.engine.loader import load_tokenizer
+from nanokv_cli.engine.model.loader import load_tokenizer
+from nanokv_cli.serve.process import ServerProcess
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24
@@ -140,18 +140,6 @@ def stop_all(children: list[subprocess.Popen], grace: float = 20.0) -> None:
             proc.wait()
 
 
-def wait_for(pattern: str, log: Path, proc: subprocess.Popen) -> re.Match:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        m = re.search(pattern, log.read_text())
-        if m:
-            return m
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise RuntimeError(f"{proc.args[:4]} did not start; its log:\n{log.read_text()}")
-
-
 @dataclass
 class Server:
     """One ``nanokv serve`` on a free port, publishing KV events on free loopback ports."""
@@ -159,12 +147,17 @@ class Server:
     name: str
     workdir: Path
     threads: int
-    proc: subprocess.Popen = field(init=False)
-    url: str = field(init=False)
+    process: ServerProcess = field(init=False)
     events: str = field(init=False)
     replay: str = field(init=False)
 
+    @property
+    def url(self) -> str:
+        return self.process.url
+
     def start(self, children: list[subprocess.Popen]) -> None:
+        """Start it (``ServerProcess``: ready once ``/health`` answers; a start cut short by
+        Ctrl-C kills it) and list it in ``children``, to be stopped with the fleet."""
         config = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
@@ -172,17 +165,14 @@ class Server:
             "replay_endpoint": "tcp://127.0.0.1:*",
             "topic": "kv-events",
         }
-        args = ["--port", "0", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS)]
+        args = ["--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS)]
         args += ["--threads", str(self.threads), "--no-live"]
-        log = self.workdir / f"{self.name}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
-        cmd = [sys.executable, "-m", "nanokv_cli.cli", "serve", *args]
-        cmd += ["--kv-events-config", json.dumps(config)]
-        self.proc = spawn(cmd, log, children, env=env)
-        m = wait_for(r"KV events on (\S+) \(.*replay on (\S+)\)", log, self.proc)
+        args += ["--kv-events-config", json.dumps(config)]
+        env = {"OMP_NUM_THREADS": str(self.threads)}
+        self.process = ServerProcess(args, self.workdir, env, name=self.name, timeout=START_TIMEOUT)
+        children.append(self.process.proc)
+        m = self.process.wait_for(r"KV events on (\S+) \(.*replay on (\S+)\)", START_TIMEOUT)
         self.events, self.replay = m.group(1), m.group(2)
-        self.url = wait_for(r"serving .* on (http://\S+)/v1", log, self.proc).group(1)
-        wait_healthy(f"{self.url}/health", self.proc, log)
 
     def complete(self, client: httpx.Client, tokens: list[int]) -> int:
         """One greedy completion of ``tokens``; the prompt tokens it found cached."""

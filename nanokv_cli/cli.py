@@ -14,28 +14,11 @@ import typer
 
 from .commands.advise import advise_cmd
 from .commands.doctor import doctor
-from .commands.engine_options import EngineFlags, engine_options
-from .commands.errors import USER_ERRORS, CliError, user_errors
 from .commands.generate import generate
-from .commands.inspect import JSON_LIST_LIMIT, inspect
-from .commands.models import make_llm
-from .commands.options import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_TOKENS,
-    check_dry_run_memory,
-    parse_int_list,
-    parse_rate,
-    parse_size,
-    sampling_defaults,
-    want_live,
-)
-from .commands.output import print_json, stderr_console, stdout_console
+from .commands.inspect import inspect
 from .commands.replay import replay_cmd
-from .commands.serve import SERVE_STEP_LATENCY_MS, serve_cmd
+from .commands.serve import serve_cmd
 from .commands.top import top_cmd
-from .driver import PromptEncoder, build_requests, dry_run_engine
-from .engine.config import DTYPES, QUANTIZATIONS
-from .replay import DRY_RUN_CACHE_TOKENS, ReplayInterrupted, model_label, run_replay
 from .version import __version__
 
 app = typer.Typer(
@@ -95,48 +78,6 @@ def main() -> None:
     """Console-script entry point (``nanokv``)."""
     app(prog_name="nanokv")
 
-
-# Names scripts and tests import from here (the commands and helpers that moved to commands/
-# and replay.py).
-__all__ = [
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_MAX_TOKENS",
-    "DRY_RUN_CACHE_TOKENS",
-    "DTYPES",
-    "JSON_LIST_LIMIT",
-    "QUANTIZATIONS",
-    "SERVE_STEP_LATENCY_MS",
-    "USER_ERRORS",
-    "CliError",
-    "EngineFlags",
-    "PromptEncoder",
-    "ReplayInterrupted",
-    "advise_cmd",
-    "app",
-    "build_requests",
-    "check_dry_run_memory",
-    "doctor",
-    "dry_run_engine",
-    "engine_options",
-    "generate",
-    "inspect",
-    "main",
-    "make_llm",
-    "model_label",
-    "parse_int_list",
-    "parse_rate",
-    "parse_size",
-    "print_json",
-    "replay_cmd",
-    "run_replay",
-    "sampling_defaults",
-    "serve_cmd",
-    "stderr_console",
-    "stdout_console",
-    "top_cmd",
-    "user_errors",
-    "want_live",
-]
 
 if __name__ == "__main__":
     main()

@@ -125,7 +125,7 @@ def _cpu_model() -> str:
 
 
 def _kernels() -> list[Check]:
-    from .engine.cpu import build, kernels
+    from .engine.cpu import build, library
 
     checks = []
     forced = os.environ.get(build.ISA_VARIABLE, "")
@@ -199,7 +199,7 @@ def _kernels() -> list[Check]:
                 "reinstall nanokv (pip install --force-reinstall nanokv)",
             )
         )
-    checks.append(_kernel_library(kernels.status()))
+    checks.append(_kernel_library(library.status()))
     checks.append(_kernel_cache())
     return checks
 
@@ -241,7 +241,7 @@ def _kernel_library(status) -> Check:
 
 
 def _kernel_cache() -> Check:
-    from .engine.loader import default_cache_dir
+    from .engine.cpu.cache_dir import default_cache_dir
 
     folder = default_cache_dir() / "kernels"
     libraries = sorted(folder.glob("*.so")) if folder.is_dir() else []
@@ -287,7 +287,7 @@ def _threads() -> Check:
 
 
 def _memory() -> Check:
-    from .engine.memory import format_bytes, memory_limits
+    from .engine.runner.memory import format_bytes, memory_limits
 
     limits = memory_limits()
     detail = {x.source: x.free for x in limits}
@@ -314,7 +314,7 @@ def _memory() -> Check:
 
 
 def _default_model() -> Check:
-    from .engine.loader import ModelLoadError, default_model_path
+    from .engine.model.loader import ModelLoadError, default_model_path
 
     try:
         path = default_model_path()
@@ -345,7 +345,12 @@ def _cuda_attention() -> Check:
     import torch
 
     from .engine.config import EngineConfig
-    from .engine.run_plan import AttentionKernels, captures_graphs, choose_attention, resolve_dtype
+    from .engine.runner.run_plan import (
+        AttentionKernels,
+        captures_graphs,
+        choose_attention,
+        resolve_dtype,
+    )
 
     defaults, cuda = EngineConfig(), torch.device("cuda")
     # The CUDA default dtype: bfloat16 where the GPU has it (Ampere on), as on a GPU here.
@@ -381,7 +386,7 @@ _OPTIONAL = (
     (
         "llama.cpp",
         ("llama_cpp",),
-        "scripts/bench_decode.py's baseline",
+        "scripts/bench/decode.py's baseline",
         "pip install llama-cpp-python==0.3.36 (builds from source: 10-30 minutes)",
     ),
 )

@@ -33,7 +33,11 @@ batch, ``[topic, sequence number (8 bytes, big-endian), payload]``, the sequence
 Dynamo's indexer and llm-d-kv-cache (v0.9 on) read both. ``lora_id`` and ``lora_name`` are
 None: no adapters. ``medium`` is None: the blocks are in the engine's own cache (vLLM writes
 "GPU" there, and a consumer reads "CPU" as vLLM's host-offload tier, which a CPU engine's cache
-is not). One KV cache group: ``group_idx`` 0, full attention. A block's hash is nanokv's chained
+is not). With a second tier (``--kv-tier``), a block evicted into it is announced again with the
+tier's ``medium`` ("CPU" for a host tier, as vLLM's CPU offloading; "DISK" for a disk tier)
+right after its ``BlockRemoved``, and a ``BlockRemoved`` with that medium when the tier lets
+it go; a block restored from it is a ``BlockStored`` of the cache again. One KV cache group:
+``group_idx`` 0, full attention. A block's hash is nanokv's chained
 xxh64 (it stands for the whole prefix, so the parent links blocks into prefixes); its
 ``token_ids`` and ``block_size`` let a consumer compute its own keys, as Dynamo's indexer does.
 A ROUTER socket answers replay requests ``[b"", start_seq (8 bytes)]`` with
@@ -68,7 +72,15 @@ from typing import Any
 
 import msgpack
 
-from .engine.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, StepSnapshot
+from .engine.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    StepSnapshot,
+    TierRemoved,
+    TierStored,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +94,21 @@ REPLAY_READS_PER_TURN = 64  # replay requests taken from the socket per turn of 
 # -- the wire format -----------------------------------------------------------------------------
 
 
-def stored_event(block_hash: int, parent_hash: int, token_ids, block_size: int) -> list[Any]:
+def stored_event(
+    block_hash: int, parent_hash: int, token_ids, block_size: int, medium: str | None = None
+) -> list[Any]:
     """vLLM's ``BlockStored`` of one block; ``parent_hash`` -1 (a first block) goes as None."""
     parent = None if parent_hash == -1 else parent_hash
     tokens = token_ids if type(token_ids) is list else list(token_ids)  # never mutated: no copy
-    return ["BlockStored", [block_hash], parent, tokens, block_size, None, None, None]
+    return ["BlockStored", [block_hash], parent, tokens, block_size, None, medium, None]
 
 
-def removed_event(block_hash: int) -> list[Any]:
-    return ["BlockRemoved", [block_hash], None]
+def removed_event(block_hash: int, medium: str | None = None) -> list[Any]:
+    return ["BlockRemoved", [block_hash], medium]
+
+
+# The second tier's media in vLLM's words: its CPU offload tier is "CPU"; a disk is "DISK".
+TIER_MEDIA = {"host": "CPU", "disk": "DISK"}
 
 
 # One KV cache group, of full attention (vLLM's group index and spec kind).
@@ -143,6 +161,11 @@ class KVEventBatcher:
         self.block_size = block_size
         self.pending: list[list[Any]] = []
         self.announced: dict[int, list[Any]] = {}
+        # The second tier's (kv_tier), by hash: what a block evicted into it was announced
+        # as, with the tier's medium. ``_leaving``: the last hash that left the cache (its
+        # TierStored comes right after), with what it was announced as.
+        self.tier_announced: dict[int, list[Any]] = {}
+        self._leaving: tuple[int, list[Any]] | None = None
 
     def feed(self, event: Event) -> list[list[Any]] | None:
         """Take one event; at the end of a step that changed the cache, return its events."""
@@ -154,14 +177,31 @@ class KVEventBatcher:
                 self.announced[h] = wire
                 self.pending.append(wire)
         elif t is BlockRemoved:
-            if self.announced.pop(event.block_hash, None) is not None:
+            wire = self.announced.pop(event.block_hash, None)
+            if wire is not None:
                 self.pending.append(removed_event(event.block_hash))
+                self._leaving = (event.block_hash, wire)
+        elif t is TierStored or t is TierRemoved:
+            self._tier(event)
         elif t is AllBlocksCleared:
             self.announced.clear()
+            self.tier_announced.clear()
             self.pending.append(CLEARED)
         elif t is StepSnapshot and self.pending:
             return self.take()
         return None
+
+    def _tier(self, event: TierStored | TierRemoved) -> None:
+        """A block entered or left the second tier: vLLM's events with its medium."""
+        h, medium = event.block_hash, TIER_MEDIA[event.medium]
+        if type(event) is TierRemoved:
+            if self.tier_announced.pop(h, None) is not None:
+                self.pending.append(removed_event(h, medium))
+        elif h not in self.tier_announced and self._leaving and self._leaving[0] == h:
+            wire = self._leaving[1]
+            tier_wire = [*wire[:6], medium, *wire[7:]]
+            self.tier_announced[h] = tier_wire
+            self.pending.append(tier_wire)
 
     def take(self) -> list[list[Any]]:
         """The events of the step in progress (a run that stops mid-step has some)."""
@@ -172,7 +212,7 @@ class KVEventBatcher:
         """Everything a consumer should hold, from scratch: a clear, then every announced
         hash (in the order announced, so parents mostly come before their children)."""
         self.pending = []
-        return [CLEARED, *self.announced.values()]
+        return [CLEARED, *self.announced.values(), *self.tier_announced.values()]
 
 
 def export_batches(events, block_size: int, start: float, encoding: str = "map") -> Iterator[bytes]:

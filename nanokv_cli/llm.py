@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .engine import distributed
 from .engine.config import EngineConfig
-from .engine.llm_engine import LLMEngine, RequestOutput
-from .engine.loader import load_model
-from .engine.model_runner import ModelRunner
-from .engine.run_plan import RunPlan, resolve_machine
+from .engine.core import tier_hits
+from .engine.core.llm_engine import LLMEngine, RequestOutput, RequestRejected
+from .engine.model.loader import load_model
+from .engine.parallel import distributed
+from .engine.runner.model_runner import ModelRunner
+from .engine.runner.run_plan import RunPlan, resolve_machine
 from .engine.sampling_params import SamplingParams
+from .engine.tiers.model_tier import check_tier_device, open_model_tier
 
 Prompt = str | list[int]
 
@@ -33,7 +36,7 @@ class LLM:
 
     ``tensor_parallel_size=N`` splits the model over N processes (this one is rank 0 and
     schedules and samples; N-1 workers are spawned, or the ranks of an existing torchrun
-    group are used: see ``nanokv_cli.engine.distributed``). Cache sizes are per rank. Call
+    group are used: see ``nanokv_cli.engine.parallel.distributed``). Cache sizes are per rank. Call
     ``shutdown()`` (or use ``with LLM(...) as llm:``) to stop the workers; interpreter exit
     does it too.
 
@@ -44,7 +47,7 @@ class LLM:
     so a sequence's greedy tokens do not depend on what shares its steps. Other models and devices run as ``"none"``. ``"int8"`` or
     ``"int4"`` quantize every layer (a file's 4-bit blocks stay 4-bit). None or ``"none"``
     computes in float32 end to end. After loading, ``quantization`` says what runs ("auto",
-    "int8", "int4" or None). See ``engine/quantize.py``.
+    "int8", "int4" or None). See ``engine/model/quantize.py``.
     """
 
     def __init__(
@@ -57,11 +60,13 @@ class LLM:
         # Checked before loading too, so a bad value or device fails at once. Each rank of a
         # tensor-parallel run resolves its own (its device).
         machine = resolve_machine(config, tp_size=size)
+        check_tier_device(config.tier_spec, machine.device)
         loaded = load_model(model)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.source
         self.tensor_parallel_size = size
+        self.kv_tier_note: str | None = None  # the tier's start-up line (kv_tier), if any
         self.rank = 0  # tensor-parallel rank: only rank 0 schedules, samples and generates
         # The engine is not thread-safe: generate/stream calls take turns on it.
         self._stream_lock = threading.Lock()
@@ -73,6 +78,17 @@ class LLM:
                 loaded.config, loaded.weights, config, quantized_blocks=loaded.blocks, plan=plan
             )
             self.executor = self.model_runner
+            # The second tier (kv_tier): opened once the cache exists, as its fingerprint
+            # names the cache's layout; a tier that cannot be opened leaves a note, no tier.
+            runner = self.model_runner
+            runner.tier, self.kv_tier_note = open_model_tier(
+                config.tier_spec,
+                config.tier_bandwidth(),
+                runner.kv_cache,
+                loaded.source,
+                plan.dtype,
+                plan.quantization,
+            )
         else:
             rank = distributed.process_rank()
             executor = distributed.start_tensor_parallel(loaded, config)
@@ -90,15 +106,29 @@ class LLM:
         self.engine_config = config
         self.max_model_len = config.max_model_len
         self.engine = LLMEngine(self.executor, config, eos_token_ids=self.config.eos_token_ids)
+        # The tier outlives the process: at shutdown (or interpreter exit, for a command
+        # that never calls it) the cache's blocks go to it, then its file is let go.
+        tier = self.model_runner.tier
+        self._tier_closer = (
+            weakref.finalize(self, _close_tier, self.engine.block_manager, tier)
+            if tier is not None
+            else None
+        )
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers and release their process groups (no-op with one rank).
+        """Stop tensor-parallel workers and release their process groups, and close the
+        second tier (``kv_tier``) after storing the cache's blocks in it (what a restart
+        finds), so another process may open its file.
 
-        Idempotent. A tensor-parallel LLM cannot generate afterwards.
+        Idempotent. A tensor-parallel LLM cannot generate afterwards; one whose tier is closed
+        runs on without it (its stores and restores fail as misses).
         """
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
+        closer = getattr(self, "_tier_closer", None)
+        if closer is not None:  # the cache's blocks stored; another process may open the file
+            closer()
 
     def __enter__(self) -> LLM:
         return self
@@ -120,11 +150,15 @@ class LLM:
         self,
         prompts: Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_step: Callable[[], None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yield ``(prompt index, output)`` each time a request gets a token.
 
         All prompts are encoded and admitted (or rejected) before the first step, so a bad
-        request fails before any work is done. Engine events go to ``self.engine.events``.
+        request fails before any work is done; with several prompts, the error names the
+        prompt ("prompt 2: ..."). Engine events go to ``self.engine.events``; ``on_step`` is
+        called after each step's outputs were taken (a live view's ``tick``).
         Calls from several threads take turns (the engine steps one batch at a time); a call
         from inside another's loop on the same thread is refused, as it could only deadlock.
         """
@@ -140,13 +174,12 @@ class LLM:
         with self._stream_lock:
             self._stream_thread = threading.get_ident()
             try:
-                yield from self._stream(prompts, sampling_params)
+                yield from self._stream(prompts, sampling_params, on_step)
             finally:
                 self._stream_thread = None
 
-    def _stream(self, prompts, sampling_params) -> Iterator[tuple[int, RequestOutput]]:
-        # Imported here: the driver imports the prompt-file reader, which LLM users never need.
-        from .driver import Arrivals, Driver, EngineClock, Request
+    def _stream(self, prompts, sampling_params, on_step) -> Iterator[tuple[int, RequestOutput]]:
+        from .run.loop import Arrivals, Driver, EngineClock, Request
 
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -154,13 +187,21 @@ class LLM:
         requests = [
             Request(self.encode(p), sp, tag=i) for i, (p, sp) in enumerate(zip(prompts, params))
         ]
+
+        def rejected(req: Request, error: RequestRejected) -> None:
+            if len(requests) == 1:
+                raise error
+            raise RequestRejected(f"prompt {req.tag + 1}: {error}") from None
+
         clock = EngineClock(self.engine)
         # Every request admitted before the first step: a bad one raises before any work.
-        driver = Driver(self.engine, clock, max_waiting=math.inf)
+        driver = Driver(self.engine, clock, max_waiting=math.inf, on_rejected=rejected)
         try:
             for outputs in driver.run(Arrivals(requests, start=clock())):
                 for out in outputs:
                     yield driver.requests[out.seq_id].tag, out
+                if on_step is not None:
+                    on_step()
         finally:
             # An interrupted stream must not leave requests holding blocks in the engine.
             driver.abort_all()
@@ -180,15 +221,33 @@ class LLM:
         return [self._as_dict(out) for out in results]
 
     def _as_dict(self, out: RequestOutput) -> dict:
-        return {
-            "text": self.tokenizer.decode(out.token_ids),
-            "token_ids": list(out.token_ids),
-            "num_prompt_tokens": out.num_prompt_tokens,
-            "num_cached_tokens": out.num_cached_tokens,
-            "finish_reason": out.finish_reason,
-            "ttft": out.first_token_time - out.arrival_time,
-            "latency": out.finish_time - out.arrival_time,
-        }
+        return output_dict(out, self.tokenizer.decode(out.token_ids))
+
+
+def output_dict(out: RequestOutput, text: str) -> dict[str, Any]:
+    """One finished request as ``LLM.generate`` and ``nanokv generate --json`` give it."""
+
+    def since_arrival(t: float | None) -> float | None:
+        return None if t is None else t - out.arrival_time
+
+    return {
+        "text": text,
+        "token_ids": list(out.token_ids),
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_output_tokens": len(out.token_ids),
+        "num_cached_tokens": out.num_cached_tokens,
+        "finish_reason": out.finish_reason,
+        "ttft_s": since_arrival(out.first_token_time),
+        "latency_s": since_arrival(out.finish_time),
+    }
+
+
+def _close_tier(block_manager, tier) -> None:
+    """Store the cache's blocks in the tier (tier_hits.flush), then close it."""
+    try:
+        tier_hits.flush(block_manager)
+    finally:
+        tier.close()
 
 
 def _resolved(config: EngineConfig, plan: RunPlan) -> EngineConfig:

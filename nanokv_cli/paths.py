@@ -63,8 +63,8 @@ def model_inputs(model: str | os.PathLike[str] | None) -> list[Path]:
     or the default model's file when none is given (nothing if it is not installed)."""
     if model is not None:
         return [Path(model).expanduser()]
-    from .engine.loader import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, packaged_model_path
-    from .engine.model_errors import ModelLoadError
+    from .engine.model.loader import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, packaged_model_path
+    from .engine.model.model_errors import ModelLoadError
 
     try:
         return [Path(packaged_model_path(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE))]

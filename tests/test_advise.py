@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from nanokv_cli.advise import HAS_PREFIX_MATCH
 from nanokv_cli.cli import app
-from nanokv_cli.engine.loader import load_tokenizer
+from nanokv_cli.engine.model.loader import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -77,18 +76,29 @@ def replay_hit_rate(path: Path, row: dict) -> tuple[float, int]:
     return report["hit_rate"], report["cache_hits"]
 
 
-def check_every_gain(advice: dict, path: Path, relaid: Path | None = None) -> None:
-    """Each run of the grid (and so each gain and bound) equals its own replay."""
+def check_every_gain(advice: dict, path: Path, rewrites: dict[str, Path] | None = None) -> None:
+    """Each run of the grid (and so each gain and bound) equals its own replay: of ``path``,
+    or for a layout finding's run, of the file ``rewrites`` holds for that kind of finding."""
     now = advice["now"]
     assert (now["hit_rate"], now["cache_hits"]) == replay_hit_rate(path, now)
     for row in advice["grid"]:
-        source = relaid if row["layout"] else path
+        source = (rewrites or {}).get(row["layout"]) if row["layout"] else path
         assert source is not None, row
         assert (row["hit_rate"], row["cache_hits"]) == replay_hit_rate(source, row), row
         assert row["gain"] == row["hit_rate"] - now["hit_rate"]
-    ranked = [c["gain"] for c in advice["changes"]]
-    assert ranked == sorted(ranked, reverse=True) and all(g > 0 for g in ranked)
-    assert all(c in advice["grid"] for c in advice["changes"])
+        assert row["tokens_saved"] == row["cache_hits"] - now["cache_hits"]
+    # One ranked list, settings and layout alike: by tokens more from the cache, each a run of
+    # the grid, each gaining.
+    ranked = [c["tokens_saved"] for c in advice["changes"]]
+    assert ranked == sorted(ranked, reverse=True) and all(t > 0 for t in ranked)
+    assert [c["rank"] for c in advice["changes"]] == list(range(1, len(ranked) + 1))
+    rows = {r["label"]: r for r in advice["grid"]}
+    for c in advice["changes"]:
+        assert c["gain"] > 0 and {k: c[k] for k in rows[c["label"]]} == rows[c["label"]]
+    for f in advice["findings"]:  # each finding's gain is its run's
+        if f["rank"] is not None:
+            c = advice["changes"][f["rank"] - 1]
+            assert c["finding"] == f and c["tokens_saved"] == f["gain_tokens"]
 
 
 # -- the cases ---------------------------------------------------------------------------------
@@ -105,19 +115,20 @@ def test_a_varying_first_line_is_found_and_moving_it_measured(tmp_path, tokenize
     prefix = len(tokenizer.encode("Request id: "))
     assert prefix <= point["at_token"] < prefix + 4
     assert "Request id: " in point["text"]["before"]
-    layout = next(r for r in advice["grid"] if r["kind"] == "layout")
-    assert (
-        layout["change"].startswith("move each varying first line")
-        and "5 prompts" in layout["change"]
-    )
-    assert advice["changes"][0] == layout and layout["gain"] > 0.5
-    # The changed input, written as the test built it: the id line last.
-    moved = [f"{POLICY}\nUser: {q}\nRequest id: {i}" for i, q in zip(ids, QUESTIONS)]
+    # The layout finding names the id line, and moving it is the change that gains most.
+    top = advice["changes"][0]
+    finding = top["finding"]
+    assert top["kind"] == "layout" and top["layout"] == finding["kind"] == "varying-first"
+    assert finding["prompts"] == len(prompts) and top["gain"] > 0.5
+    assert '"Request id: ' in finding["cause"] and finding["rank"] == 1
+    assert finding["left"].startswith("Request id: ") and "▸" in finding["left"]
+    # The changed input, written as the test built it: the id line where the shared text ends.
+    moved = [f"{POLICY}\nRequest id: {i}\nUser: {q}" for i, q in zip(ids, QUESTIONS)]
     relaid = write_prompts(tmp_path / "moved.jsonl", moved)
-    check_every_gain(advice, path, relaid)
+    check_every_gain(advice, path, {"varying-first": relaid})
     out = ok("advise", path, "--block-size", "16")
     assert "in line 1" in out and "Request id: " in out and "‖" in out
-    assert "move each varying first line after the shared text" in out
+    assert "move the varying line after the shared text" in out and "cause: a varying line" in out
 
 
 def test_a_one_word_difference_at_token_k(tmp_path, tokenizer):
@@ -127,7 +138,7 @@ def test_a_one_word_difference_at_token_k(tmp_path, tokenizer):
     k = len(tokenizer.encode(head))
     assert tokenizer.encode(prompts[1])[:k] == tokenizer.encode(head)  # the split is clean
     path = write_prompts(tmp_path / "word.jsonl", prompts)
-    mode = ["--prefix-match", "block"] if HAS_PREFIX_MATCH else []
+    mode = ["--prefix-match", "block"]
     advice = advise(path, "--block-size", "64", *mode)
     point = advice["divergence_points"][0]
     assert point["at_tokens"] == [k, k] and point["requests"] == 2
@@ -158,7 +169,6 @@ def test_a_one_word_difference_at_token_k(tmp_path, tokenizer):
     assert "writes in a‖ puzzled" in out and "writes in a‖ furious" in out
 
 
-@pytest.mark.skipif(not HAS_PREFIX_MATCH, reason="needs whole-block reuse chosen explicitly")
 def test_prompts_below_one_block_are_named(tmp_path):
     prompts = [f"Translate to French: {w}" for w in ("cat", "dog", "house", "tree")]
     path = write_prompts(tmp_path / "short.jsonl", prompts)
@@ -181,7 +191,7 @@ def test_a_block_size_bound_case(tmp_path, tokenizer):
     shared = len(tokenizer.encode(POLICY + "\nUser:"))
     assert 64 < shared < 256
     path = write_prompts(tmp_path / "policy.jsonl", prompts)
-    mode = ["--prefix-match", "block"] if HAS_PREFIX_MATCH else []
+    mode = ["--prefix-match", "block"]
     advice = advise(path, "--block-size", "256", *mode)
     assert advice["hit_rate"] == 0 and advice["bounds"]["infinite_cache"]["hit_rate"] == 0
     assert advice["bounds"]["token_level"]["hit_rate"] > 0.5

@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from nanokv_cli import LLM, SamplingParams
+from nanokv_cli.engine.core.events import BlockCopied, BlockHit, SequencePreempted
+from nanokv_cli.engine.core.llm_engine import LLMEngine
 from nanokv_cli.engine.cpu import build
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
-from nanokv_cli.engine.events import BlockCopied, BlockHit, SequencePreempted
-from nanokv_cli.engine.llm_engine import LLMEngine
 from nanokv_cli.engine.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["bench_throughput.py", "bench_decode.py"])
+@pytest.mark.parametrize("script", ["throughput.py", "decode.py"])
 @pytest.mark.parametrize(
     "modes,extra,message",
     [
@@ -21,7 +21,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 )
 def test_bad_modes_are_refused(script, modes, extra, message):
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), "--modes", modes, *extra],
+        [sys.executable, str(BENCH / script), "--modes", modes, *extra],
         capture_output=True,
         text=True,
         timeout=120,

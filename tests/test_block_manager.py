@@ -6,7 +6,7 @@ import pytest
 import xxhash
 
 from nanokv_cli.engine.block_manager import Block, BlockManager
-from nanokv_cli.engine.events import (
+from nanokv_cli.engine.core.events import (
     BlockAllocated,
     BlockFreed,
     BlockHit,

@@ -7,50 +7,19 @@ those of token-granular reuse (copied hits) with the default, ``"token"``."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_properties import run
+from support.engines import compute, dry_engine, lookup_of, run_workload, seq_of
 
-from nanokv_cli.engine.block_manager import MISS_REASONS, BlockManager
-from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.events import BlockRemoved, BlockStored, CacheLookup, StepSnapshot
-from nanokv_cli.engine.llm_engine import LLMEngine
+from nanokv_cli.engine.block_manager import BlockManager
+from nanokv_cli.engine.core.cache_stats import MISS_REASONS
+from nanokv_cli.engine.core.events import BlockRemoved, BlockStored, CacheLookup, StepSnapshot
+from nanokv_cli.engine.core.scheduler import Scheduler
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.engine.scheduler import Scheduler
-from nanokv_cli.engine.sequence import Sequence
-from nanokv_cli.report import InfiniteCache, RunStats
-
-
-def seq_of(tokens, block_size=4, max_tokens=4):
-    return Sequence(
-        list(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), block_size
-    )
-
-
-def compute(bm, seq):
-    seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
-    bm.hash_blocks(seq)
-    seq.num_cached_tokens = seq.num_tokens
-    seq.num_scheduled_tokens = 0
-
-
-def lookup_of(bm, seq):
-    """Admit ``seq`` and return the CacheLookup it emitted."""
-    seen = []
-    bm.on_event = lambda e: seen.append(e) if type(e) is CacheLookup else None
-    bm.allocate(seq, bm.can_allocate(seq))
-    bm.on_event = None
-    return seen[0]
+from nanokv_cli.run.stats import InfiniteCache, RunStats
 
 
 def block_mode(num_blocks=64, block_size=4, **kw):
     """A BlockManager with whole-block reuse only."""
     return BlockManager(num_blocks, block_size, prefix_match="block", **kw)
-
-
-def dry_engine(num_blocks=4096, block_size=4, **kw):
-    clock = VirtualClock()
-    settings = EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw)
-    return LLMEngine(DryRunExecutor(settings, vocab_size=60, clock=clock), settings, clock=clock)
 
 
 # -- one reason per miss, each reason reachable ----------------------------------------------
@@ -333,7 +302,7 @@ def test_hit_vocabulary_and_miss_reasons_hold_after_every_step(
         if not caching:
             assert s.hits == 0 and s.miss_tokens["disabled"] == misses
 
-    run(
+    run_workload(
         requests,
         block_size=block_size,
         num_blocks=num_blocks,
@@ -366,7 +335,7 @@ def multi_turn_run(seed: int, mode: str, num_blocks: int) -> dict:
             owner[engine.add_request(list(talks[c]), params)] = c
         while engine.has_unfinished_requests():
             outputs = engine.step()
-            stats.learn(outputs)  # as driver.Run.observe does
+            stats.learn(outputs)  # as run.record.Run.observe does
             for out in outputs:
                 if out.finished:
                     talk = talks[owner[out.seq_id]]

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from nanokv_cli import __version__
 from nanokv_cli.cli import app
-from nanokv_cli.trace import TraceReader
+from nanokv_cli.trace.reader import TraceReader
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -32,17 +32,6 @@ def ok(*args: str, input: str | None = None):
 
 def json_of(*args: str):
     return json.loads(ok(*args, "--json").stdout)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """A model folder holding only a tokenizer: enough for dry runs and inspect."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import make_tokenizer_files
-
-    folder = tmp_path_factory.mktemp("tok")
-    make_tokenizer_files(folder)
-    return folder
 
 
 @pytest.fixture

@@ -26,14 +26,6 @@ def ok(*args, input: str | None = None):
     return result
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
-
-
 def test_generate_json_matches_the_python_api(tiny):
     from nanokv_cli import LLM, SamplingParams
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanokv_cli.trace import TraceReader
+from nanokv_cli.trace.reader import TraceReader
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -18,15 +18,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from tiny_models import make_tiny_model
+from support.models import make_tiny_model
 
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.cpu import build
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
+from nanokv_cli.engine.cpu import program as cpu_program
 from nanokv_cli.engine.cpu.formats import FloatLinear
 from nanokv_cli.engine.layers.rotary import RotaryEmbedding, apply_rotary
-from nanokv_cli.engine.model_runner import ModelRunner
-from nanokv_cli.engine.run_plan import resolve_plan
+from nanokv_cli.engine.runner.model_runner import ModelRunner
+from nanokv_cli.engine.runner.run_plan import resolve_plan
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compil
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def each_test_starts_on_one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -216,7 +217,7 @@ def test_silu_mul_matches_torch():
 def test_kernels_can_be_switched_off():
     # A process reads the switch once, when it first needs the kernels: ask a fresh one.
     probe = (
-        "from nanokv_cli.engine.cpu import kernels; s = kernels.status(); "
+        "from nanokv_cli.engine.cpu import kernels, library; s = library.status(); "
         "assert not kernels.available() and s.switched_off and s.lib is None, s"
     )
     env = {**os.environ, "NANOKV_CPU_KERNELS": "0"}
@@ -360,8 +361,8 @@ def test_replayed_decode_steps_compute_what_the_layers_compute(
 ):
     config, weights = tiny_archs[arch]
     replays = []
-    real = cpu_kernels.StepProgram.run
-    monkeypatch.setattr(cpu_kernels.StepProgram, "run", lambda *a: replays.append(a[3]) or real(*a))
+    real = cpu_program.StepProgram.run
+    monkeypatch.setattr(cpu_program.StepProgram, "run", lambda *a: replays.append(a[3]) or real(*a))
 
     def make(recorded: bool) -> ModelRunner:
         settings = EngineConfig(
@@ -395,7 +396,7 @@ def test_a_step_program_places_tensors_whose_lives_overlap_apart():
     # op 0 writes a, op 1 reads a and writes b, op 2 reads b: a and b overlap at op 1; c
     # (written at op 2) may reuse a's place.
     lives = {1: [0, 1, 100], 2: [1, 2, 64], 3: [2, 3, 128]}
-    offsets, size = cpu_kernels._plan(lives)
+    offsets, size = cpu_program._plan(lives)
     assert offsets[1] == 0 and offsets[2] >= 128 and offsets[3] == 0
     assert size == max(offsets[2] + 64, 128)
 
@@ -409,11 +410,11 @@ def test_a_step_program_gives_an_address_reused_by_a_larger_tensor_room_for_it()
     assert small.data_ptr() == large.data_ptr()
     g = torch.Generator().manual_seed(8)
     x, wide = torch.randn(1, 32, generator=g), torch.randn(1, 2048, generator=g)
-    with cpu_kernels.recording() as tape:
+    with cpu_program.recording() as tape:
         cpu_kernels._call("silu_mul_f32", x, cpu_kernels._Rows(1), 16, small, 1)
         cpu_kernels._call("silu_mul_f32", wide, cpu_kernels._Rows(1), 1024, large, 1)
         out = cpu_kernels.silu_mul(large)
-    program = cpu_kernels.StepProgram(tape, [x, wide], out, set())
+    program = cpu_program.StepProgram(tape, [x, wide], out, set())
     at_large, at_out = program.ops[1].value[3], program.ops[2].value[3]
     assert at_out >= at_large + large.nbytes or at_out + out.nbytes <= at_large
     arena = torch.empty(program.arena_bytes, dtype=torch.uint8)
@@ -425,11 +426,11 @@ def test_a_step_program_refuses_a_tensor_it_reads_but_neither_made_nor_was_given
     # Its contents in a replay would be whatever the arena held: a weight left out of the
     # persistent set, say.
     x, weight = torch.randn(2, 64), torch.ones(64)
-    with cpu_kernels.recording() as tape:
+    with cpu_program.recording() as tape:
         out = cpu_kernels.rms_norm(x, weight, 1e-5)
     with pytest.raises(ValueError, match="rms_norm_f32 reads a tensor"):
-        cpu_kernels.StepProgram(tape, [x], out, set())
-    program = cpu_kernels.StepProgram(tape, [x], out, {weight.untyped_storage().data_ptr()})
+        cpu_program.StepProgram(tape, [x], out, set())
+    program = cpu_program.StepProgram(tape, [x], out, {weight.untyped_storage().data_ptr()})
     replayed = program.run(torch.empty(program.arena_bytes, dtype=torch.uint8), [x], 2, 0)
     assert torch.equal(replayed, out)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cpu_formats import Layer
+from support.kernels import Layer
 
 from nanokv_cli.engine.cpu import build, kernels
 from nanokv_cli.engine.cpu.kernels import LINEAR_Q4P, LINEAR_Q8P
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 
 
 def packed_layer(kind: int, out_features: int = 1000, in_features: int = 576):
-    """A random packed layer of test_cpu_formats (its C spec, and the layer that owns the bytes)."""
+    """A random packed layer (support/kernels.py: its C spec, and the layer that owns the bytes)."""
     layer = Layer(kind, out_features, in_features, seed=kind)
     return layer.spec(), layer
 

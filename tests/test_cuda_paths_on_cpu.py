@@ -9,31 +9,16 @@ that every CUDA run would meet.
 """
 
 from dataclasses import replace
-from functools import cache
-from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import make_tiny_model, read_model
 
-from nanokv_cli.engine import kv_cache, model_runner
-from nanokv_cli.engine.config import EngineConfig, ModelConfig
-from nanokv_cli.engine.model_runner import ModelRunner
-from nanokv_cli.engine.run_plan import resolve_plan
+from nanokv_cli.engine.config import EngineConfig
+from nanokv_cli.engine.runner import kv_cache, model_runner
+from nanokv_cli.engine.runner.model_runner import ModelRunner
+from nanokv_cli.engine.runner.run_plan import resolve_plan
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
-
-
-@cache
-def tiny(arch: str, root: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    return read_model(make_tiny_model(arch, Path(root) / arch))[:2]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("tiny"))
-    return lambda arch: tiny(arch, root)
 
 
 def settings(**kw) -> EngineConfig:
@@ -59,11 +44,11 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[i
 PROMPTS = [[(i * 37 + salt * 11) % 290 + 3 for i in range(n)] for salt, n in enumerate([9, 23, 40])]
 
 
-def test_cuda_sizing_warmup_runs_before_the_cache_exists(models, monkeypatch):
+def test_cuda_sizing_warmup_runs_before_the_cache_exists(tiny_weights, monkeypatch):
     """The warm-up runs a step through ``_prepare`` (which reads ``_offsets``) and ``_forward``
     (which reads ``graphs``) before the cache is allocated; the cache is then sized from what
     the GPU has left after it, and the runner answers as one given a size."""
-    config, weights = models("llama")
+    config, weights = tiny_weights("llama")[:2]
     total, free, peak, current = 16 << 20, 15 << 20, 3 << 20, 1 << 20
     stats = {"allocated_bytes.all.peak": peak, "allocated_bytes.all.current": current}
     for name, stand_in in {
@@ -104,10 +89,10 @@ def _heads_first_sdpa(real):
     return sdpa
 
 
-def test_float32_decode_through_sdpa_takes_a_non_contiguous_output(models, monkeypatch):
+def test_float32_decode_through_sdpa_takes_a_non_contiguous_output(tiny_weights, monkeypatch):
     """The SDPA back end in float32, as a CUDA run without flash-attn had it: decode steps go
     through SDPA in length buckets and must reshape its output, not view it."""
-    config, weights = models("llama")
+    config, weights = tiny_weights("llama")[:2]
     assert (
         config.num_key_value_heads > 1 and config.num_attention_heads > config.num_key_value_heads
     )

@@ -1,4 +1,4 @@
-"""The request loop every command shares (``nanokv_cli.driver``), on the model-free engine."""
+"""The request loop every command shares (``nanokv_cli.run.loop``), on the model-free engine."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import threading
 
 import pytest
 
-from nanokv_cli.driver import Arrivals, Driver, Request, RequestQueue, Run, dry_run_engine
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.events import SequenceAdded, StepSnapshot
+from nanokv_cli.engine.core.events import SequenceAdded, StepSnapshot
 from nanokv_cli.engine.sampling_params import SamplingParams
+from nanokv_cli.run.loop import Arrivals, Driver, Request, RequestQueue, dry_run_engine
+from nanokv_cli.run.record import Run
 
 SP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -114,7 +115,7 @@ def test_abort_all_and_an_abort_before_admission():
 
 
 def test_run_builds_the_report_and_records_a_trace(tmp_path):
-    from nanokv_cli.trace import TraceReader
+    from nanokv_cli.trace.reader import TraceReader
 
     engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
     trace = tmp_path / "run.trace"

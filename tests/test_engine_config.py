@@ -4,11 +4,11 @@ import pickle
 from dataclasses import fields, replace
 
 import pytest
-from tiny_models import make_tiny_model
+from support.models import make_tiny_model
 
 from nanokv_cli import LLM
-from nanokv_cli.driver import dry_run_engine
 from nanokv_cli.engine.config import EngineConfig
+from nanokv_cli.run.loop import dry_run_engine
 
 
 @pytest.mark.parametrize(

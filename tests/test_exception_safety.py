@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.events import BlockAllocated, CacheState
-from nanokv_cli.engine.llm_engine import LLMEngine, RequestRejected
+from nanokv_cli.engine.core.dry_run import DryRunExecutor, VirtualClock
+from nanokv_cli.engine.core.events import BlockAllocated, CacheState
+from nanokv_cli.engine.core.llm_engine import LLMEngine, RequestRejected
 from nanokv_cli.engine.sampling_params import SamplingParams
 
 

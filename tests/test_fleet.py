@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from nanokv_cli.cli import app
-from nanokv_cli.driver import Request
 from nanokv_cli.engine.config import EngineConfig
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.fleet import ROUTERS, Fleet, block_hashes
-from nanokv_cli.fleet_report import run_fleet, what_if
+from nanokv_cli.run.loop import Request
+from nanokv_cli.whatif.fleet import ROUTERS, Fleet, block_hashes
+from nanokv_cli.whatif.fleet_report import run_fleet, what_if
 
 MOONCAKE = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_conversation_trace.jsonl"
 BS = 16  # tokens per block

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh --dry: the GPU check's steps on CPU, Triton's kernels under its
+"""scripts/check/gpu_check.sh --dry: the GPU check's steps on CPU, Triton's kernels under its
 interpreter, at tiny shapes (issue 44), so CI keeps the script a GPU machine runs working."""
 
 import shutil
@@ -23,7 +23,7 @@ def test_gpu_check_dry_runs_every_step():
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed: the live-view step captures a terminal")
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry"],
+        ["bash", str(ROOT / "scripts" / "check" / "gpu_check.sh"), "--dry"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -11,56 +11,22 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import msgpack
 import pytest
 import zstandard
-from tiny_models import make_tiny_model, make_tokenizer_files
+from support.cli import MODEL_MEMORY, run_limited
+from support.models import make_tiny_model
 from typer.testing import CliRunner
 
 from nanokv_cli.cli import app
-from nanokv_cli.engine.events import BlockAllocated, CacheLookup, StepSnapshot
-from nanokv_cli.trace import _CODE, _PREFIX, MAGIC, MAX_NUM_BLOCKS
-
-REPO = Path(__file__).resolve().parents[1]
-# Address space of a run: inspect and dry runs stay off torch and work under 1 GiB; a model
-# run (torch and a tiny model) takes ~1.3 GiB. What the findings blew up to was 2 to 40 GB.
-NO_MODEL_MEMORY = 3 << 29
-MODEL_MEMORY = 4 << 30
-TIMEOUT_S = 60  # a case takes a second or a few; a hang would take forever
+from nanokv_cli.engine.core.events import BlockAllocated, CacheLookup, StepSnapshot
+from nanokv_cli.trace.format import _CODE, _PREFIX, MAGIC, MAX_NUM_BLOCKS
 
 runner = CliRunner()
-
-
-def run(
-    args: list,
-    memory: int = NO_MODEL_MEMORY,
-    code: str | None = None,
-    cwd: Path = REPO,
-    timeout: float = TIMEOUT_S,
-) -> subprocess.CompletedProcess:
-    """``nanokv ARGS`` (or ``python -c CODE ARGS``) in a subprocess under the limits."""
-
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
-    command = [sys.executable, *(["-c", code] if code else ["-m", "nanokv_cli.cli"])]
-    return subprocess.run(
-        [*command, *map(str, args)],
-        cwd=cwd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=timeout,
-        preexec_fn=limit_memory,
-    )
 
 
 def one_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -114,11 +80,6 @@ def pack_records(records: list[list], packed_header: bytes | None = None) -> byt
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return make_tokenizer_files(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
 def recorded(tmp_path_factory, tokenizer_dir) -> list[list]:
     """The records of a dry run's trace whose header names a tokenizer (so blocks have text)."""
     folder = tmp_path_factory.mktemp("trace")
@@ -138,7 +99,7 @@ def recorded(tmp_path_factory, tokenizer_dir) -> list[list]:
 
 def inspect_json(path: Path, *extra: str) -> tuple[dict, list[str]]:
     """``inspect --json``: its output and its note lines; it must have succeeded."""
-    result = run(["inspect", path, "--json", *extra])
+    result = run_limited(["inspect", path, "--json", *extra])
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.returncode == 0, result.stderr
     return finite_json(result.stdout), [s for s in result.stderr.splitlines() if s.strip()]
@@ -194,7 +155,7 @@ def test_a_header_model_that_cannot_load_leaves_out_only_the_text(tmp_path, reco
     assert all(b["token_ids"] for b in info["blocks"] if b["state"] != "free")
     if name not in RICH_VIEW:
         return
-    result = run(["inspect", path])
+    result = run_limited(["inspect", path])
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "blocks: used" in result.stdout
 
@@ -230,8 +191,8 @@ def test_a_bad_block_id_is_one_message(tmp_path, recorded, value, message):
     path = tmp_path / "t.trace"
     path.write_bytes(pack_records(with_field(recorded, BlockAllocated, 2, value)))
     for extra in ([], ["--request", "0"]):  # with tokens, and without (the same checks)
-        one_error(run(["inspect", path, *extra]), f"{path}: a record does not hold", message)
-    summary = run(["inspect", path, "--summary"])  # counts records, reads no fields
+        one_error(run_limited(["inspect", path, *extra]), f"{path}: a record does not hold", message)
+    summary = run_limited(["inspect", path, "--summary"])  # counts records, reads no fields
     assert summary.returncode == 0 and "Traceback" not in summary.stderr, summary.stderr
 
 
@@ -252,7 +213,7 @@ def test_a_field_of_the_wrong_type_is_one_message(tmp_path, recorded, event, ind
     path = tmp_path / "t.trace"
     path.write_bytes(pack_records(with_field(recorded, event, index, value)))
     for extra in INSPECTS:
-        one_error(run(["inspect", path, *extra], cwd=tmp_path), str(path), message)
+        one_error(run_limited(["inspect", path, *extra], cwd=tmp_path), str(path), message)
 
 
 def test_a_checkpoint_that_does_not_fit_the_cache_is_one_message(tmp_path, recorded):
@@ -267,7 +228,7 @@ def test_a_checkpoint_that_does_not_fit_the_cache_is_one_message(tmp_path, recor
     }
     path = tmp_path / "t.trace"
     path.write_bytes(pack_records([*recorded, [b"C", last, last, checkpoint]]))
-    one_error(run(["inspect", path]), f"{path}: damaged checkpoint", "do not fit 64 blocks")
+    one_error(run_limited(["inspect", path]), f"{path}: damaged checkpoint", "do not fit 64 blocks")
 
 
 @pytest.mark.parametrize("num_blocks", [10**9, 0, -1, "64", 64.0])
@@ -277,7 +238,7 @@ def test_a_header_cache_size_out_of_bounds_is_refused(tmp_path, recorded, num_bl
     path = tmp_path / "t.trace"
     path.write_bytes(pack_records([[b"H", 0, 0, header], *recorded[1:]]))
     one_error(
-        run(["inspect", path]), str(path), f"lacks a valid 'num_blocks' (1 to {MAX_NUM_BLOCKS:,})"
+        run_limited(["inspect", path]), str(path), f"lacks a valid 'num_blocks' (1 to {MAX_NUM_BLOCKS:,})"
     )
 
 
@@ -295,19 +256,19 @@ def test_bad_utf8_names_the_file_and_where(tmp_path, recorded):
     packed = msgpack.packb(header, use_bin_type=True).replace(b"\xa2@@", b"\xa2\xff\xfe")
     path = tmp_path / "t.trace"
     path.write_bytes(pack_records(recorded, packed_header=packed))
-    one_error(run(["inspect", path]), str(path), "damaged record at byte 8", "utf-8")
+    one_error(run_limited(["inspect", path]), str(path), "damaged record at byte 8", "utf-8")
     # Version 1 (JSONL): the bad bytes' own line, though they share a read-ahead chunk with
     # the lines before them.
     v1 = tmp_path / "v1.trace"
     good = tmp_path / "good.trace"
     good.write_bytes(pack_records(recorded))
-    export = run(["inspect", good, "--export", "jsonl", v1])
+    export = run_limited(["inspect", good, "--export", "jsonl", v1])
     assert export.returncode == 0, export.stderr
     lines = v1.read_bytes().splitlines(keepends=True)
     assert len(lines) > 8
     lines[7] = lines[7].replace(b'"', b'"\xff', 1)
     v1.write_bytes(b"".join(lines))
-    one_error(run(["inspect", v1]), f"{v1} line 8: not UTF-8 text")
+    one_error(run_limited(["inspect", v1]), f"{v1} line 8: not UTF-8 text")
 
 
 # -- finding 3: arrival times --------------------------------------------------------------------
@@ -339,22 +300,22 @@ def test_a_non_finite_mooncake_timestamp_is_one_message(tmp_path, tiny_model, ti
     """NaN looped forever (an arrival that never comes); Infinity wrote invalid JSON."""
     path = mooncake(tmp_path / "m.jsonl", ["0", timestamp])
     message = "line 2: timestamp must be a finite non-negative number"
-    one_error(run(["replay", path, "--dry-run", "--json"]), str(path), message)
+    one_error(run_limited(["replay", path, "--dry-run", "--json"]), str(path), message)
     model_run = ["replay", path, "--model", tiny_model, "--json", "--max-tokens", "2"]
-    one_error(run(model_run, memory=MODEL_MEMORY), str(path), message)
+    one_error(run_limited(model_run, memory=MODEL_MEMORY), str(path), message)
 
 
 @pytest.mark.parametrize("timestamp", BAD_TIMESTAMPS)
 def test_a_non_finite_prompt_file_timestamp_is_one_message(tmp_path, timestamp):
     path = tmp_path / "p.jsonl"
     path.write_text(f'{{"prompt": "hello", "timestamp": {timestamp}}}\n')
-    one_error(run(["replay", path, "--dry-run", "--json"]), "'timestamp' must be a finite number")
+    one_error(run_limited(["replay", path, "--dry-run", "--json"]), "'timestamp' must be a finite number")
 
 
 def test_a_rate_of_1e_300_gives_a_finite_report(tmp_path):
     path = mooncake(tmp_path / "m.jsonl", ["0", "10", "20"])
     report = tmp_path / "r.json"
-    result = run(["replay", path, "--dry-run", "--rate", "1e-300", "--json", "--report", report])
+    result = run_limited(["replay", path, "--dry-run", "--rate", "1e-300", "--json", "--report", report])
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert finite_json(report.read_text()) == finite_json(result.stdout)
     assert 1e290 < finite_json(result.stdout)["duration_s"] < 1e308
@@ -363,17 +324,17 @@ def test_a_rate_of_1e_300_gives_a_finite_report(tmp_path):
 def test_a_rate_whose_arrivals_overflow_is_one_message(tmp_path):
     # 5e-324 is the smallest float above 0: one gap of 1/rate is already past the largest.
     path = mooncake(tmp_path / "m.jsonl", ["0", "10", "20"])
-    one_error(run(["replay", path, "--dry-run", "--rate", "5e-324"]), "--rate 5e-324 is too low")
+    one_error(run_limited(["replay", path, "--dry-run", "--rate", "5e-324"]), "--rate 5e-324 is too low")
 
 
 def test_a_model_run_at_1e_300_per_second(tmp_path, tiny_model):
     """One request comes at once: the run ends with a finite report. A second would come in
     1e300 s (time.sleep overflowed): one message instead of a traceback or a wait for ever."""
     model_run = ["--model", tiny_model, "--rate", "1e-300", "--json", "--max-tokens", "2"]
-    one = run(["replay", mooncake(tmp_path / "one.jsonl", ["0"]), *model_run], MODEL_MEMORY)
+    one = run_limited(["replay", mooncake(tmp_path / "one.jsonl", ["0"]), *model_run], MODEL_MEMORY)
     assert one.returncode == 0 and "Traceback" not in one.stderr, one.stderr[-3000:]
     assert finite_json(one.stdout)["rate"] == 1e-300
-    two = run(["replay", mooncake(tmp_path / "two.jsonl", ["0", "1"]), *model_run], MODEL_MEMORY)
+    two = run_limited(["replay", mooncake(tmp_path / "two.jsonl", ["0", "1"]), *model_run], MODEL_MEMORY)
     one_error(two, "from now, more than a year", "--rate")
 
 
@@ -412,7 +373,7 @@ TWO_THREADS = textwrap.dedent(
 
 def test_two_threads_generating_at_once_both_get_the_sequential_output(tiny_model):
     """It raised (a shape error in attention, a KeyError in llm.py) or returned other text."""
-    result = run([tiny_model], memory=MODEL_MEMORY, code=TWO_THREADS)
+    result = run_limited([tiny_model], memory=MODEL_MEMORY, code=TWO_THREADS)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     out = json.loads(result.stdout)
     assert out["errors"] == []

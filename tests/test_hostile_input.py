@@ -24,10 +24,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from nanokv_cli.cli import app
-from nanokv_cli.report import json_text
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import make_tokenizer_files  # noqa: E402
+from nanokv_cli.run.stats import json_text
 
 # Address space for a CLI run: every case here stays off torch (dry runs, inspect, errors
 # before a model loads), and such a run works under 1 GiB (a model run needs ~2 GiB: torch
@@ -80,11 +77,6 @@ def one_error(result, *fragments: str, code: int = 1) -> str:
     for fragment in fragments:
         assert fragment in message, message
     return message
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return make_tokenizer_files(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture
@@ -351,7 +343,7 @@ def test_a_lone_surrogate_on_the_command_line_is_one_message():
 
 
 def test_the_tokenizer_refuses_what_would_crash_it(tokenizer_dir):
-    from nanokv_cli.engine.tokenizer import Tokenizer, TokenizerError
+    from nanokv_cli.engine.model.tokenizer import Tokenizer, TokenizerError
 
     tokenizer = Tokenizer.from_hf_folder(tokenizer_dir)
     with pytest.raises(TokenizerError, match="lone surrogate"):

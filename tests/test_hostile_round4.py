@@ -22,9 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tiny_model, make_tokenizer_files
+from support.models import make_tiny_model, make_tokenizer_files
 
-from nanokv_cli.cache_stream import EVENTS_PATH, PROTOCOL, encode_codes
+from nanokv_cli.serve.cache_stream import EVENTS_PATH, PROTOCOL, encode_codes
+from nanokv_cli.serve.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 # A dry run, advise or top stays off torch and works under 1 GiB; the findings took 4 to 8 GB.
@@ -317,14 +318,16 @@ def test_top_does_not_trust_a_snapshots_block_count(billion_block_map):
 
 def test_a_flood_of_replay_requests_holds_back_neither_live_batches_nor_other_peers():
     import zmq
-    from test_kv_events import BS, LOOPBACK, dry_engine
+    from support.engines import dry_engine
+    from support.servers import LOOPBACK
 
     from nanokv_cli.engine.sampling_params import SamplingParams
     from nanokv_cli.kv_events import KVEventsConfig, ZmqKVEventPublisher
 
-    eng = dry_engine(num_blocks=64)
+    block_size = 16
+    eng = dry_engine(64, block_size, vocab_size=None)
     config = KVEventsConfig(True, "zmq", LOOPBACK, LOOPBACK, buffer_steps=64, topic="kv-events")
-    publisher = ZmqKVEventPublisher(config, BS)
+    publisher = ZmqKVEventPublisher(config, block_size)
     eng.events.subscribe(publisher)
     ctx = zmq.Context()
     sub, flood, other = ctx.socket(zmq.SUB), ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
@@ -337,7 +340,7 @@ def test_a_flood_of_replay_requests_holds_back_neither_live_batches_nor_other_pe
         time.sleep(0.5)  # the subscription reaches the publisher
 
         def one_request(first: int) -> None:  # a new prefix: a batch of BlockStored
-            prompt = list(range(first, first + 3 * BS))
+            prompt = list(range(first, first + 3 * block_size))
             eng.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
             while eng.has_unfinished_requests():
                 eng.step()
@@ -441,16 +444,13 @@ def test_advise_refuses_a_never_evicting_cache_too_big_for_memory(tmp_path):
 def server(tmp_path_factory):
     """``nanokv serve`` on a tiny Llama whose length (131,072) lets a 1 MB prompt be tokenized
     before it is refused, as the default model's does."""
-    from test_serve import Server
-    from tiny_models import make_tiny_model
-
     models = tmp_path_factory.mktemp("models")
     model = make_tiny_model("llama", models / "llama", max_position_embeddings=131072)
     args = ["--model", str(model), "--block-size", "16", "--num-blocks", "24", "--no-live",
             "--threads", "1"]  # fmt: skip
-    srv = Server(args, tmp_path_factory.mktemp("serve"))
+    srv = ServerProcess(args, tmp_path_factory.mktemp("serve"))
     yield srv
-    srv.stop()
+    srv.kill()
 
 
 # -- 3: cross-site requests ----------------------------------------------------------------------
@@ -526,14 +526,11 @@ def test_refused_huge_prompts_do_not_grow_the_server(server):
 
 
 @pytest.fixture(scope="module")
-def watched_server(tmp_path_factory):
-    from test_serve import Server
-
-    tiny = make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
+def watched_server(tiny, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("watched")
-    server = Server(["--model", str(tiny), "--no-live", "--threads", "1"], workdir)
+    server = ServerProcess(["--model", str(tiny), "--no-live", "--threads", "1"], workdir)
     yield server
-    server.stop()
+    server.kill()
 
 
 def idle_watcher(url: str) -> socket.socket:

@@ -148,14 +148,6 @@ def test_a_token_id_past_int32_is_one_error_where_prompts_are_read(bad, command,
 # -- item 19: model files nested deeper than the parser's stack ---------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
-
-
 @pytest.mark.parametrize(
     "name", ["config.json", "generation_config.json", "model.safetensors.index.json"]
 )
@@ -246,9 +238,10 @@ def test_a_huge_seed_is_refused_without_echoing_it():
 
 def test_a_stop_string_with_a_lone_surrogate_is_a_400_like_the_prompt(tiny, tmp_path):
     import httpx
-    from test_serve import Server
 
-    server = Server(["--model", str(tiny), "--no-live", "--threads", "1"], tmp_path)
+    from nanokv_cli.serve.process import ServerProcess
+
+    server = ServerProcess(["--model", str(tiny), "--no-live", "--threads", "1"], tmp_path)
     try:
         url = f"{server.url}/v1/completions"
         # JSON's \ud800 escape: a lone surrogate, as a client can send it.
@@ -260,7 +253,7 @@ def test_a_stop_string_with_a_lone_surrogate_is_a_400_like_the_prompt(tiny, tmp_
         ok = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "stop": ["\n"]})
         assert ok.status_code == 200, ok.text
     finally:
-        server.stop()
+        server.kill()
 
 
 # -- item 13: a figure with no data is n/a, not 0.0 --------------------------------------------
@@ -269,7 +262,7 @@ def test_a_stop_string_with_a_lone_surrogate_is_a_400_like_the_prompt(tiny, tmp_
 def test_latencies_no_request_gave_are_na_not_zero():
     from rich.console import Console
 
-    from nanokv_cli.report import RunStats
+    from nanokv_cli.run.stats import RunStats
     from nanokv_cli.views.tables import summary_table
 
     stats = RunStats(latencies=True)
@@ -310,11 +303,12 @@ def test_after_ctrl_c_the_summary_counts_only_tokens_clients_received(tiny, tmp_
     import time
 
     import httpx
-    from test_serve import Server
+
+    from nanokv_cli.serve.process import ServerProcess
 
     report = tmp_path / "serve.json"
     args = ["--model", str(tiny), "--no-live", "--threads", "1", "--max-num-seqs", "1"]
-    server = Server([*args, "--report", str(report)], tmp_path, {"OMP_NUM_THREADS": "1"})
+    server = ServerProcess([*args, "--report", str(report)], tmp_path, {"OMP_NUM_THREADS": "1"})
     answers: list = []
 
     def ask() -> None:
@@ -343,7 +337,7 @@ def test_after_ctrl_c_the_summary_counts_only_tokens_clients_received(tiny, tmp_
         for t in threads:
             t.join(60)
     finally:
-        server.stop()
+        server.kill()
     assert code == 130, server.log()
     assert 200 not in answers, answers  # neither answer was whole: both were cut short
     saved = json.loads(report.read_text())
@@ -360,10 +354,11 @@ def test_requests_cancelled_past_the_shutdown_timeout_log_one_line_each(tiny, tm
     import time
 
     import httpx
-    from test_serve import Server
+
+    from nanokv_cli.serve.process import ServerProcess
 
     args = ["--model", str(tiny), "--no-live", "--threads", "1", "--max-num-seqs", "1"]
-    server = Server([*args, "--shutdown-timeout", "1"], tmp_path, {"OMP_NUM_THREADS": "1"})
+    server = ServerProcess([*args, "--shutdown-timeout", "1"], tmp_path, {"OMP_NUM_THREADS": "1"})
 
     def stream() -> None:
         body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -384,7 +379,7 @@ def test_requests_cancelled_past_the_shutdown_timeout_log_one_line_each(tiny, tm
         for t in threads:
             t.join(60)
     finally:
-        server.stop()
+        server.kill()
     log = server.log()
     assert code == 0, log
     assert "Traceback" not in log and "CancelledError" not in log, log

@@ -20,13 +20,13 @@ import msgpack
 import msgspec
 import pytest
 import zmq
+from support.engines import dry_engine
+from support.servers import LOOPBACK
 
 from nanokv_cli.cli import app
-from nanokv_cli.engine.block_manager import BlockManager
-from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.events import BlockStored
-from nanokv_cli.engine.llm_engine import LLMEngine
+from nanokv_cli.engine.core.blocks import hash_block_tokens
+from nanokv_cli.engine.core.events import BlockStored
+from nanokv_cli.engine.core.llm_engine import LLMEngine
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.kv_events import (
     KVEventBatcher,
@@ -35,13 +35,13 @@ from nanokv_cli.kv_events import (
     encode_batch,
     parse_kv_events_config,
 )
-from nanokv_cli.trace import TraceReader, TraceWriter, export, make_header
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_serve import Server  # noqa: E402
+from nanokv_cli.serve.process import ServerProcess
+from nanokv_cli.trace.exporter import export
+from nanokv_cli.trace.format import make_header
+from nanokv_cli.trace.reader import TraceReader
+from nanokv_cli.trace.writer import TraceWriter
 
 BS = 16
-LOOPBACK = "tcp://127.0.0.1:*"  # a free port, resolved by the publisher and printed by serve
 
 
 # -- vLLM's structs, as vllm/distributed/kv_events.py declares them -----------------------------
@@ -169,14 +169,14 @@ class Held:
                     assert (e.group_idx, e.kv_cache_spec_kind) == (0, "full_attention")
                     assert e.extra_keys == [None]
                 parent = -1 if e.parent_block_hash is None else e.parent_block_hash
-                assert BlockManager.compute_hash(e.token_ids, parent) == h
+                assert hash_block_tokens(e.token_ids, parent) == h
                 self.hashes.add(h)
 
     def leading_blocks(self, tokens: list[int]) -> int:
         """How many of ``tokens``' full blocks, from the first on, this consumer holds."""
         n, parent = 0, -1
         for i in range(len(tokens) // BS):
-            parent = BlockManager.compute_hash(tokens[i * BS : (i + 1) * BS], parent)
+            parent = hash_block_tokens(tokens[i * BS : (i + 1) * BS], parent)
             if parent not in self.hashes:
                 break
             n += 1
@@ -248,13 +248,13 @@ def kv_events_args(**extra) -> list[str]:
     return ["--kv-events-config", json.dumps(config)]
 
 
-def endpoints(server: Server) -> tuple[str, str]:
+def endpoints(server: ServerProcess) -> tuple[str, str]:
     line = next(x for x in server.log().splitlines() if "KV events on" in x)
     words = line.replace(")", "").split()
     return words[words.index("on") + 1], words[-1]
 
 
-def complete(server: Server, tokens: list[int], max_tokens: int = 4) -> int:
+def complete(server: ServerProcess, tokens: list[int], max_tokens: int = 4) -> int:
     """Send one greedy completion; the prompt tokens it found cached (the server's books)."""
     body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
@@ -269,21 +269,14 @@ def prompt(rng: random.Random, prefix: list[int], blocks: int) -> list[int]:
     return prefix + [rng.randrange(3, 320) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
-
-
-def start(tiny: Path, workdir: Path, *extra: str, encoding: str = "map") -> Server:
+def start(tiny: Path, workdir: Path, *extra: str, encoding: str = "map") -> ServerProcess:
     workdir.mkdir(parents=True, exist_ok=True)
     args = ["--model", str(tiny), "--block-size", str(BS), "--num-blocks", "24", "--threads", "1"]
     events = kv_events_args(encoding=encoding)
-    return Server([*args, "--no-live", *events, *extra], workdir, {"OMP_NUM_THREADS": "1"})
+    return ServerProcess([*args, "--no-live", *events, *extra], workdir, {"OMP_NUM_THREADS": "1"})
 
 
-def stop(server: Server) -> None:
+def stop(server: ServerProcess) -> None:
     server.proc.send_signal(signal.SIGTERM)
     assert server.wait() == 0, server.log()
 
@@ -359,12 +352,6 @@ def test_a_taken_endpoint_is_a_clear_error():
 # -- the batches, against the engine's books --------------------------------------------------
 
 
-def dry_engine(num_blocks: int = 12) -> LLMEngine:
-    clock = VirtualClock()
-    settings = EngineConfig(num_blocks=num_blocks, block_size=BS)
-    return LLMEngine(DryRunExecutor(settings, clock=clock), settings, clock=clock)
-
-
 def workload(eng: LLMEngine, on_step) -> None:
     """Repeated prompts (whose last block is recomputed: a duplicate), shared prefixes and a
     cache small enough to evict."""
@@ -380,7 +367,7 @@ def workload(eng: LLMEngine, on_step) -> None:
 
 
 def test_each_step_announces_what_the_prefix_cache_holds_once():
-    eng = dry_engine()
+    eng = dry_engine(12, BS, vocab_size=None)
     batcher, held, raw_stores = KVEventBatcher(BS), Held(), []
     step_batches = []
 
@@ -411,7 +398,7 @@ def test_each_step_announces_what_the_prefix_cache_holds_once():
 def test_the_file_export_is_the_stream_the_publisher_sends(tmp_path):
     """One encoding: ``inspect --export vllm-kv-events`` writes the publisher's batches (which
     add a clear first and last: the cache's start and end)."""
-    eng = dry_engine()
+    eng = dry_engine(12, BS, vocab_size=None)
     config = KVEventsConfig(True, "zmq", LOOPBACK, LOOPBACK, buffer_steps=4, topic="kv-events")
     publisher = ZmqKVEventPublisher(config, BS)
     stream = Stream(zmq.Context.instance(), publisher.endpoint, publisher.replay_endpoint)
@@ -518,7 +505,7 @@ class Indexer:
                 time.sleep(0.05)
         raise AssertionError(f"the indexer did not start:\n{self.log_path.read_text()}")
 
-    def register(self, worker: int, server: Server) -> None:
+    def register(self, worker: int, server: ServerProcess) -> None:
         endpoint, replay = endpoints(server)
         body = {"instance_id": worker, "endpoint": endpoint, "replay_endpoint": replay}
         r = httpx.post(f"{self.url}/register", json={**body, "model_name": MODEL, "block_size": BS})
@@ -564,7 +551,7 @@ def converge(indexer: Indexer, streams: dict[int, Stream], prompts: list[list[in
 
 
 def attach(
-    indexer: Indexer, worker: int, server: Server, rng: random.Random, encoding: str
+    indexer: Indexer, worker: int, server: ServerProcess, rng: random.Random, encoding: str
 ) -> Stream:
     """Register ``server`` and wait until the indexer's subscription is live: a fresh prompt
     (its own first token: no test prompt shares a block with it) shows up in its answers."""
@@ -581,7 +568,7 @@ def attach(
     raise AssertionError("the indexer never received a batch")
 
 
-def books_agree(server: Server, stream: Stream, tokens: list[int]) -> None:
+def books_agree(server: ServerProcess, stream: Stream, tokens: list[int]) -> None:
     """The server's own lookup of ``tokens`` finds the blocks its stream announced."""
     stream.update()
     assert complete(server, tokens, max_tokens=1) // BS == stream.held.leading_blocks(tokens)

@@ -10,14 +10,14 @@ from functools import cache
 import pytest
 import torch
 import transformers
-from tiny_models import make_tiny_model
+from support.models import make_tiny_model
 
 from nanokv_cli import LLM, SamplingParams
 from nanokv_cli.engine.config import UnsupportedModelError
-from nanokv_cli.engine.events import BlockHit, SequencePreempted
-from nanokv_cli.engine.loader import ModelLoadError
-from nanokv_cli.engine.scheduler import RequestRejected
-from nanokv_cli.report import InfiniteCache, RunStats
+from nanokv_cli.engine.core.events import BlockHit, SequencePreempted
+from nanokv_cli.engine.core.scheduler import RequestRejected
+from nanokv_cli.engine.model.loader import ModelLoadError
+from nanokv_cli.run.stats import InfiniteCache, RunStats
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -15,17 +15,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file, save_file
-from tiny_models import BOS_ID, EOS_ID, make_tiny_model, write_gguf
+from support.models import BOS_ID, EOS_ID, make_tiny_model, write_gguf
 
 from nanokv_cli.engine.config import UnsupportedModelError
-from nanokv_cli.engine.loader import (
+from nanokv_cli.engine.cpu.cache_dir import default_cache_dir
+from nanokv_cli.engine.model.gguf_file import dequantize
+from nanokv_cli.engine.model.loader import (
     DEFAULT_MODEL_SIZE,
     ModelLoadError,
     QuantizedTensor,
-    default_cache_dir,
     default_model_path,
-    dequantize,
-    expected_shapes,
     export_hf_folder,
     load_gguf_quantized,
     load_model,
@@ -33,12 +32,13 @@ from nanokv_cli.engine.loader import (
     packaged_model_path,
     read_gguf,
 )
+from nanokv_cli.engine.model.weight_names import expected_shapes
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def arch_folders(tmp_path_factory):
     """One saved tiny model folder per architecture (built once for the module)."""
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_tiny_model(arch, root / arch) for arch in ARCHS}
@@ -53,15 +53,15 @@ def copy_model(folder: Path, dest: Path) -> Path:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_hf_folder_matches_transformers(tiny, arch):
+def test_hf_folder_matches_transformers(arch_folders, arch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = load_model(tiny[arch])
-    reference = AutoModelForCausalLM.from_pretrained(tiny[arch]).state_dict()
+    model = load_model(arch_folders[arch])
+    reference = AutoModelForCausalLM.from_pretrained(arch_folders[arch]).state_dict()
     assert set(model.weights) == set(reference)
     for name, tensor in model.weights.items():
         assert torch.equal(tensor, reference[name]), name
-    hf = AutoConfig.from_pretrained(tiny[arch])
+    hf = AutoConfig.from_pretrained(arch_folders[arch])
     cfg = model.config
     assert cfg.architecture == arch
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (2, 64, 320)
@@ -73,7 +73,7 @@ def test_hf_folder_matches_transformers(tiny, arch):
     assert cfg.qk_norm == (arch == "qwen3")
     assert cfg.eos_token_ids == [EOS_ID] == model.tokenizer.eos_token_ids
     assert cfg.bos_token_id == BOS_ID
-    assert model.source == str(tiny[arch].resolve())
+    assert model.source == str(arch_folders[arch].resolve())
     assert not model.blocks  # a safetensors folder has no GGUF blocks
 
 
@@ -85,18 +85,18 @@ def test_tied_embeddings_have_no_lm_head(tmp_path):
     assert set(model.weights) == set(expected_shapes(model.config))
 
 
-def test_sharded_safetensors_with_index(tmp_path, tiny):
+def test_sharded_safetensors_with_index(tmp_path, arch_folders):
     folder = make_tiny_model("llama", tmp_path / "sharded", max_shard_size="40KB")
     assert len(list(folder.glob("*.safetensors"))) > 1
     assert (folder / "model.safetensors.index.json").is_file()
-    sharded, single = load_model(folder), load_model(tiny["llama"])
+    sharded, single = load_model(folder), load_model(arch_folders["llama"])
     assert set(sharded.weights) == set(single.weights)
     for name in single.weights:
         assert torch.equal(sharded.weights[name], single.weights[name]), name
 
 
-def test_generation_config_eos_ids_are_added(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "m")
+def test_generation_config_eos_ids_are_added(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "m")
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     model = load_model(folder)
     assert model.eos_token_ids == [2, 0]
@@ -121,10 +121,10 @@ def test_llama3_rope_scaling_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gguf_f32_equals_safetensors(tiny, tmp_path, arch):
-    gguf_file = write_gguf(tiny[arch], tmp_path / f"{arch}.gguf")
+def test_gguf_f32_equals_safetensors(arch_folders, tmp_path, arch):
+    gguf_file = write_gguf(arch_folders[arch], tmp_path / f"{arch}.gguf")
     from_gguf = load_model(gguf_file)
-    from_hf = load_model(tiny[arch])
+    from_hf = load_model(arch_folders[arch])
     assert from_gguf.config == from_hf.config
     assert set(from_gguf.weights) == set(from_hf.weights)
     for name, tensor in from_hf.weights.items():
@@ -138,9 +138,9 @@ def test_gguf_f32_equals_safetensors(tiny, tmp_path, arch):
     ) == from_hf.tokenizer.apply_chat_template(messages)
 
 
-def test_gguf_q8_0_is_within_quantization_error(tiny, tmp_path):
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "q8.gguf", quantization="Q8_0")
-    quantized, exact = load_model(gguf_file), load_model(tiny["llama"])
+def test_gguf_q8_0_is_within_quantization_error(arch_folders, tmp_path):
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "q8.gguf", quantization="Q8_0")
+    quantized, exact = load_model(gguf_file), load_model(arch_folders["llama"])
     assert quantized.config == exact.config
     changed = 0
     for name, tensor in exact.weights.items():
@@ -172,8 +172,8 @@ def test_gguf_llama3_rope_scaling_round_trips(tmp_path):
     assert "rope_freqs.weight" not in model.weights
 
 
-def test_gguf_blocks_are_the_files_bytes(tiny, tmp_path):
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "q8.gguf", quantization="Q8_0")
+def test_gguf_blocks_are_the_files_bytes(arch_folders, tmp_path):
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "q8.gguf", quantization="Q8_0")
     model = load_model(gguf_file)
     assert set(model.blocks) == {n for n, w in model.weights.items() if w.dim() == 2}
     for name, block in model.blocks.items():
@@ -187,8 +187,8 @@ def test_gguf_blocks_are_the_files_bytes(tiny, tmp_path):
     assert load_gguf_quantized(gguf_file).keys() == model.blocks.keys()
 
 
-def test_gguf_weights_are_built_on_lookup_and_not_kept(tiny, tmp_path):
-    model = load_model(write_gguf(tiny["qwen2"], tmp_path / "q.gguf"))
+def test_gguf_weights_are_built_on_lookup_and_not_kept(arch_folders, tmp_path):
+    model = load_model(write_gguf(arch_folders["qwen2"], tmp_path / "q.gguf"))
     name = "model.layers.0.self_attn.q_proj.bias"
     first, again = model.weights[name], model.weights[name]
     assert first is not again and torch.equal(first, again)
@@ -199,10 +199,10 @@ def test_gguf_weights_are_built_on_lookup_and_not_kept(tiny, tmp_path):
         model.weights["model.layers.9.mlp.up_proj.weight"]
 
 
-def test_loading_a_gguf_writes_nothing(tiny, tmp_path, monkeypatch):
+def test_loading_a_gguf_writes_nothing(arch_folders, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "in").mkdir()
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "in" / "l.gguf")
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "in" / "l.gguf")
     model = load_model(gguf_file)
     assert all(w.abs().sum() > 0 for w in model.weights.values())
     load_tokenizer(gguf_file)
@@ -211,10 +211,10 @@ def test_loading_a_gguf_writes_nothing(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("quantization", ["F32", "Q8_0"])
-def test_export_hf_folder_holds_the_gguf_model(tiny, tmp_path, quantization):
+def test_export_hf_folder_holds_the_gguf_model(arch_folders, tmp_path, quantization):
     from transformers import AutoModelForCausalLM
 
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "l.gguf", quantization=quantization)
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "l.gguf", quantization=quantization)
     folder = export_hf_folder(gguf_file, tmp_path / "hf")
     from_gguf, from_folder = load_model(gguf_file), load_model(folder)
     assert from_folder.config == from_gguf.config
@@ -229,8 +229,8 @@ def test_export_hf_folder_holds_the_gguf_model(tiny, tmp_path, quantization):
         assert torch.equal(in_transformers[name], tensor), name
 
 
-def test_read_gguf_gives_metadata_and_tensor_index(tiny, tmp_path):
-    gguf = read_gguf(write_gguf(tiny["qwen3"], tmp_path / "q3.gguf", quantization="Q8_0"))
+def test_read_gguf_gives_metadata_and_tensor_index(arch_folders, tmp_path):
+    gguf = read_gguf(write_gguf(arch_folders["qwen3"], tmp_path / "q3.gguf", quantization="Q8_0"))
     assert gguf.metadata["general.architecture"] == "qwen3"
     assert gguf.metadata["qwen3.attention.head_count"] == 4
     tokens = gguf.metadata["tokenizer.ggml.tokens"]
@@ -243,7 +243,7 @@ def test_read_gguf_gives_metadata_and_tensor_index(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("quantization", ["F32", "Q8_0"])
-def test_read_gguf_agrees_with_gguf_py(tiny, tmp_path, quantization):
+def test_read_gguf_agrees_with_gguf_py(arch_folders, tmp_path, quantization):
     import gguf
 
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
@@ -363,8 +363,8 @@ def test_folder_without_config(tmp_path):
         load_model(tmp_path)
 
 
-def test_unsupported_architecture(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "gpt2")
+def test_unsupported_architecture(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "gpt2")
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (folder / "config.json").write_text(json.dumps(config))
@@ -373,14 +373,14 @@ def test_unsupported_architecture(tmp_path, tiny):
     assert isinstance(info.value, UnsupportedModelError)
 
 
-def test_unsupported_gguf_architecture(tmp_path, tiny):
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "phi.gguf", arch_name="phi3")
+def test_unsupported_gguf_architecture(tmp_path, arch_folders):
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "phi.gguf", arch_name="phi3")
     with pytest.raises(UnsupportedModelError, match="phi3"):
         load_model(gguf_file)
 
 
-def test_pickle_only_folder_is_refused(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "pickle")
+def test_pickle_only_folder_is_refused(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "pickle")
     (folder / "model.safetensors").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"not unpickled")
     with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin.*safetensors"):
@@ -394,16 +394,16 @@ def test_pickle_file_is_refused(tmp_path):
         load_model(checkpoint)
 
 
-def test_truncated_safetensors(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "trunc")
+def test_truncated_safetensors(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "trunc")
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match=r"model\.safetensors.*(corrupt|truncated)"):
         load_model(folder)
 
 
-def test_missing_tensor(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "missing")
+def test_missing_tensor(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "missing")
     weights = load_file(str(folder / "model.safetensors"))
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, str(folder / "model.safetensors"))
@@ -419,8 +419,8 @@ def test_missing_shard(tmp_path):
         load_model(folder)
 
 
-def test_shape_mismatch(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "shape")
+def test_shape_mismatch(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "shape")
     config = json.loads((folder / "config.json").read_text())
     config["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(config))
@@ -428,22 +428,22 @@ def test_shape_mismatch(tmp_path, tiny):
         load_model(folder)
 
 
-def test_missing_tokenizer(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "notok")
+def test_missing_tokenizer(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "notok")
     (folder / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         load_model(folder)
 
 
-def test_malformed_config(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "badjson")
+def test_malformed_config(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "badjson")
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"config\.json is not valid JSON"):
         load_model(folder)
 
 
-def test_quantized_hf_checkpoint_is_refused(tmp_path, tiny):
-    folder = copy_model(tiny["llama"], tmp_path / "gptq")
+def test_quantized_hf_checkpoint_is_refused(tmp_path, arch_folders):
+    folder = copy_model(arch_folders["llama"], tmp_path / "gptq")
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq"}
     (folder / "config.json").write_text(json.dumps(config))
@@ -459,15 +459,15 @@ def test_not_a_gguf_file(tmp_path):
 
 
 @pytest.mark.parametrize("keep", [2000, -4096])  # cut in the tokenizer's strings; in a tensor
-def test_truncated_gguf(tmp_path, tiny, keep):
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "t.gguf")
+def test_truncated_gguf(tmp_path, arch_folders, keep):
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "t.gguf")
     gguf_file.write_bytes(gguf_file.read_bytes()[:keep])
     with pytest.raises(ModelLoadError, match=r"t\.gguf is a truncated or corrupt GGUF file"):
         load_model(gguf_file)
 
 
-def test_gguf_tensor_of_a_type_nothing_dequantizes(tmp_path, tiny):
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "i32.gguf")
+def test_gguf_tensor_of_a_type_nothing_dequantizes(tmp_path, arch_folders):
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "i32.gguf")
     data = bytearray(gguf_file.read_bytes())
     # The tensor's index entry: name, then n_dims (u32), dims (u64 each), type (u32).
     name = b"blk.0.ffn_up.weight"
@@ -494,9 +494,9 @@ def test_unknown_file_type(tmp_path):
 # -- tokenizer only ------------------------------------------------------------------------------
 
 
-def test_load_tokenizer_matches_load_model(tiny, tmp_path):
-    gguf_file = write_gguf(tiny["qwen3"], tmp_path / "q3.gguf")
-    (tiny_copy := copy_model(tiny["qwen3"], tmp_path / "m")).joinpath(
+def test_load_tokenizer_matches_load_model(arch_folders, tmp_path):
+    gguf_file = write_gguf(arch_folders["qwen3"], tmp_path / "q3.gguf")
+    (tiny_copy := copy_model(arch_folders["qwen3"], tmp_path / "m")).joinpath(
         "generation_config.json"
     ).write_text(json.dumps({"eos_token_id": [2, 0]}))
     for path in (tiny_copy, gguf_file):
@@ -507,11 +507,11 @@ def test_load_tokenizer_matches_load_model(tiny, tmp_path):
     assert load_tokenizer(tiny_copy).eos_token_ids == [2, 0]
 
 
-def test_load_tokenizer_does_not_import_torch(tiny, tmp_path):
-    gguf_file = write_gguf(tiny["llama"], tmp_path / "l.gguf")
+def test_load_tokenizer_does_not_import_torch(arch_folders, tmp_path):
+    gguf_file = write_gguf(arch_folders["llama"], tmp_path / "l.gguf")
     script = (
         "import sys\n"
-        "from nanokv_cli.engine.loader import load_tokenizer\n"
+        "from nanokv_cli.engine.model.loader import load_tokenizer\n"
         f"tok = load_tokenizer({str(gguf_file)!r})\n"
         "assert tok.encode('hello') and 'torch' not in sys.modules, sorted(sys.modules)\n"
     )

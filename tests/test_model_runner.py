@@ -12,16 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import Driver, make_tiny_model, read_model
+from support.engines import Driver
+from support.models import read_model
 
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
-from nanokv_cli.engine.model_runner import (
-    MIN_DECODE_GROUP,
-    ModelRunner,
-    resolve_dtype,
-)
-from nanokv_cli.engine.run_plan import resolve_plan
+from nanokv_cli.engine.runner.attention_backends import MIN_DECODE_GROUP
+from nanokv_cli.engine.runner.model_runner import ModelRunner
+from nanokv_cli.engine.runner.run_plan import resolve_dtype, resolve_plan
 from nanokv_cli.engine.sequence import Sequence
 
 LLAMA3_ROPE = {
@@ -41,12 +39,7 @@ VARIANTS = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
 }
 ATOL = 1e-4
-
-
-@cache
-def tiny(name: str, root: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
-    arch, overrides = VARIANTS[name]
-    return read_model(make_tiny_model(arch, Path(root) / name, **overrides))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @cache
@@ -56,20 +49,10 @@ def hf_model(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from threads, and on a busy shared machine every parallel op
-    # waits for a descheduled worker thread: one thread keeps these tests fast and steady.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("tiny"))
-    return lambda name: tiny(name, root)
+def models(tiny_weights):
+    """name -> (config, weights, folder) of the tiny model ``VARIANTS[name]``."""
+    return lambda name: tiny_weights(name, VARIANTS[name][0], **VARIANTS[name][1])
 
 
 def hf_logits(folder: Path, ids: list[int]) -> torch.Tensor:

@@ -5,19 +5,19 @@ from pathlib import Path
 
 import pytest
 
-from nanokv_cli.driver import Arrivals, Driver
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.llm_engine import LLMEngine
-from nanokv_cli.engine.mooncake import (
+from nanokv_cli.engine.core.dry_run import DryRunExecutor, VirtualClock
+from nanokv_cli.engine.core.llm_engine import LLMEngine
+from nanokv_cli.engine.core.requests import Request
+from nanokv_cli.engine.sampling_params import SamplingParams
+from nanokv_cli.run.loop import Arrivals, Driver
+from nanokv_cli.workload.mooncake import (
     MOONCAKE_BLOCK_SIZE,
     MalformedTraceError,
     parse_mooncake_line,
     read_mooncake,
     synthesize_tokens,
 )
-from nanokv_cli.engine.requests import Request
-from nanokv_cli.engine.sampling_params import SamplingParams
 
 TRACE = Path(__file__).resolve().parents[1] / "examples/traces/mooncake_conversation_trace.jsonl"
 

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.prompts import PromptFileError, detect_format, map_prompt_blocks, read_prompts
+from nanokv_cli.workload.prompts import (
+    PromptFileError,
+    detect_format,
+    map_prompt_blocks,
+    read_prompts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE = REPO / "examples" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -3,10 +3,11 @@ generated does not depend on block size, caching, chunking or preemption."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.engines import run_workload
 
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.llm_engine import LLMEngine, RequestRejected
+from nanokv_cli.engine.core.dry_run import DryRunExecutor, VirtualClock
+from nanokv_cli.engine.core.llm_engine import LLMEngine
 from nanokv_cli.engine.sampling_params import SamplingParams
 
 
@@ -22,59 +23,6 @@ def workloads(draw):
         arrival = draw(st.integers(0, 6))  # in steps
         requests.append((prefix + suffix, draw(st.integers(1, 8)), arrival))
     return requests
-
-
-def run(
-    requests,
-    *,
-    block_size,
-    num_blocks,
-    max_batched,
-    prefix_caching=True,
-    check=True,
-    listener=None,
-    after_step=None,
-    prefix_match="token",
-):
-    """Replay ``requests`` (prompt, max_tokens, arrival step), checking the books after every
-    step; ``listener`` gets every event, ``after_step(engine)`` runs after every step."""
-    clock = VirtualClock()
-    settings = EngineConfig(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        enable_prefix_caching=prefix_caching,
-        max_num_seqs=4,
-        max_num_batched_tokens=max_batched,
-        prefix_match=prefix_match,
-    )
-    engine = LLMEngine(
-        DryRunExecutor(settings, vocab_size=60, clock=clock),
-        settings,
-        eos_token_ids=[0],
-        clock=clock,
-    )
-    bm, sched = engine.block_manager, engine.scheduler
-    if listener is not None:
-        engine.events.subscribe(listener)
-    pending = sorted(requests, key=lambda r: r[2])
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][2] <= step:
-            prompt, max_tokens, _ = pending.pop(0)
-            try:
-                engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
-            except RequestRejected:
-                pass  # too big for this cache: must be refused, not hang the engine
-        engine.step()
-        step += 1
-        if after_step is not None:
-            after_step(engine)
-        if check:
-            live = [s for s in list(sched.running) + list(sched.waiting) if s.block_table]
-            bm.check_invariants(live)
-        assert step < 10_000, "engine did not converge"
-    bm.check_invariants([])
-    assert not bm.used_block_ids
 
 
 def generated(requests, **kw):
@@ -107,7 +55,7 @@ def generated(requests, **kw):
     st.booleans(),
 )
 def test_invariants_hold_after_every_step(requests, block_size, num_blocks, max_batched, caching):
-    run(
+    run_workload(
         requests,
         block_size=block_size,
         num_blocks=num_blocks,

@@ -33,13 +33,13 @@ from nanokv_cli.engine.cpu.formats import (
     exact_format,
 )
 from nanokv_cli.engine.cpu.formats import quantize as quantize_groups
-from nanokv_cli.engine.loader import (
+from nanokv_cli.engine.model.gguf_file import dequantize as loader_dequantize
+from nanokv_cli.engine.model.loader import (
     ModelLoadError,
     QuantizedTensor,
     default_model_path,
     load_gguf_quantized,
 )
-from nanokv_cli.engine.loader import dequantize as loader_dequantize
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 

@@ -23,10 +23,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from support.models import make_tiny_model
 from typer.testing import CliRunner
 
 from nanokv_cli import LLM, SamplingParams
@@ -34,18 +34,21 @@ from nanokv_cli.cli import app
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
 from nanokv_cli.engine.cpu.formats import Q4, Q8, FloatLinear, PackedEmbedding, PackedLinear
 from nanokv_cli.engine.layers.linear import LinearBase
-from nanokv_cli.engine.loader import default_model_path, load_model
-from nanokv_cli.engine.quantize import (
+from nanokv_cli.engine.model.loader import default_model_path, load_model
+from nanokv_cli.engine.model.quantize import (
     check_quantization,
     parse_quantization,
     resident_weight_bytes,
 )
 from nanokv_cli.engine.sequence import Sequence
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import make_tiny_model  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler")
+# One intra-op thread (conftest.py's one_thread): the kernels' parallel regions stall when
+# another process holds the second core of a shared machine (20x slower measured), and results
+# do not depend on it.
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 PROMPTS = [
     "The capital of France is",
@@ -71,16 +74,6 @@ AUTO_DECODE_BATCH_MAX_KL = 2.5e-3
 TINY_REL_ERROR = {"int8": 0.03, "int4": 0.25}
 # A default `nanokv generate` on the default model, whole process (torch itself ~250 MB).
 MAX_GENERATE_RSS = 600 << 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the kernels' parallel regions stall when another process holds the
-    second core of a shared machine (20x slower measured), and results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def logits_along(llm: LLM, ids: list[int], prefill: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from nanokv_cli.engine.sampler import Sampler, filter_top_k_top_p
+from nanokv_cli.engine.runner.sampler import Sampler, filter_top_k_top_p
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
 
@@ -117,7 +117,7 @@ def test_filter_is_per_row():
 def test_greedy_takes_the_first_maximum_and_refuses_nan_and_infinity(dtype):
     """float32 CPU rows take numpy's argmax, others torch's: both keep torch's rule (ties go to
     the first index) and a NaN or infinity anywhere in a row stops the run."""
-    from nanokv_cli.engine.sampler import NonFiniteLogitsError
+    from nanokv_cli.engine.runner.sampler import NonFiniteLogitsError
 
     logits = random_logits(8).round().to(dtype)  # rounding makes ties
     logits[3, 7] = logits[3, 9] = logits[3].max() + 1

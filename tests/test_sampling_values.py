@@ -21,11 +21,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import make_tiny_model
+from support.models import make_tiny_model
 
 from nanokv_cli import LLM
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.sampler import Sampler
+from nanokv_cli.engine.runner.sampler import Sampler
 from nanokv_cli.engine.sampling_params import (
     GREEDY_TEMPERATURE,
     SEED_MAX,

@@ -4,11 +4,11 @@ import pytest
 
 from nanokv_cli.engine.block_manager import BlockManager
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.events import SequenceFinished, SequencePreempted, StepSnapshot
-from nanokv_cli.engine.llm_engine import LLMEngine, RequestRejected
+from nanokv_cli.engine.core.dry_run import DryRunExecutor, VirtualClock
+from nanokv_cli.engine.core.events import SequenceFinished, SequencePreempted, StepSnapshot
+from nanokv_cli.engine.core.llm_engine import LLMEngine, RequestRejected
+from nanokv_cli.engine.core.scheduler import Scheduler
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.engine.scheduler import Scheduler
 from nanokv_cli.engine.sequence import Sequence, SequenceStatus
 
 

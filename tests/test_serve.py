@@ -1,8 +1,8 @@
 """``nanokv serve``: real servers on free loopback ports, driven by the real ``openai`` client.
 
-Each server is a subprocess (``python -m nanokv_cli.cli serve --port 0``) on a tiny random
-Llama; the serving page's examples (docs/serving.md) run against the default model. Logs go to
-files, not pipes, so a chatty server can never block on a full pipe.
+Each server is a subprocess (``ServerProcess``: ``python -m nanokv_cli.cli serve --port 0``) on
+a tiny random Llama; the serving page's examples (docs/serving.md) run against the default
+model. Logs go to files, not pipes, so a chatty server can never block on a full pipe.
 """
 
 from __future__ import annotations
@@ -15,87 +15,26 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from support.servers import KEY, SERVER_ARGS, wait_until
 
-from nanokv_cli.trace import TraceReader
+from nanokv_cli.serve.process import ServerProcess
+from nanokv_cli.trace.reader import TraceReader
 
 REPO = Path(__file__).resolve().parents[1]
-KEY = "test-key"
 SYSTEM = (
     "You are a careful assistant for a paged KV cache engine. Answer briefly, name the blocks "
     "you would share, and never repeat the question. This system prompt is long on purpose."
 )
 
 
-class Server:
-    def __init__(self, args: list[str], workdir: Path, env: dict[str, str] | None = None) -> None:
-        self.out = open(workdir / "server.out", "w")  # noqa: SIM115
-        self.err_path = workdir / "server.err"
-        self.err = open(self.err_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nanokv_cli.cli", "serve", "--port", "0", *args],
-            cwd=REPO,
-            stdout=self.out,
-            stderr=self.err,
-            env={**os.environ, **(env or {})},
-        )
-        self.url = self._wait_for_url()
-
-    def _wait_for_url(self, timeout: float = 180.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(r"serving .* on (http://\S+)/v1", self.err_path.read_text())
-            if m:
-                url = m.group(1)
-                while time.monotonic() < deadline:
-                    try:
-                        if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                            return url
-                    except httpx.TransportError:
-                        time.sleep(0.05)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise AssertionError(f"the server did not start:\n{self.err_path.read_text()}")
-
-    def log(self) -> str:
-        return self.err_path.read_text()
-
-    def wait(self, timeout: float = 120.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.out.close()
-            self.err.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.wait()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
-
-
-# 24 blocks of 16 tokens: a request can fit the model's 512 tokens but not the cache.
-SERVER_ARGS = ["--block-size", "16", "--num-blocks", "24", "--no-live"]
-
-
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
-    srv = Server(
+    srv = ServerProcess(
         ["--model", str(tiny), *SERVER_ARGS, "--served-model-name", "tiny"],
         tmp_path_factory.mktemp("server"),
         env={"NANOKV_API_KEY": KEY},  # the key from the environment, as the help suggests
@@ -110,28 +49,8 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def metrics(server) -> dict[str, float]:
-    """Every sample of /metrics as ``name{label=value,...}`` (model_name left out) -> value."""
-    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
-
-
-def wait_until(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
-
-
 def idle(server) -> bool:
-    m = metrics(server)
+    m = server.metrics(KEY)
     return (
         m["vllm:num_requests_running"] == 0
         and m["vllm:num_requests_waiting"] == 0
@@ -192,7 +111,7 @@ def test_chat_streamed_and_not(client):
 
 
 def test_a_shared_system_prompt_is_served_from_the_cache(client, server):
-    before = metrics(server)["vllm:prefix_cache_hits_total"]
+    before = server.metrics(KEY)["vllm:prefix_cache_hits_total"]
     usages = []
     for question in ("What is a block?", "What is a prefix?"):
         out = client.chat.completions.create(
@@ -205,7 +124,7 @@ def test_a_shared_system_prompt_is_served_from_the_cache(client, server):
     cached = usages[1].prompt_tokens_details.cached_tokens
     assert 0 < cached < usages[1].prompt_tokens
     assert cached >= usages[0].prompt_tokens // 2  # the system prompt, past whole blocks too
-    assert metrics(server)["vllm:prefix_cache_hits_total"] > before
+    assert server.metrics(KEY)["vllm:prefix_cache_hits_total"] > before
 
 
 def test_stop_strings_cut_the_text(client, server):
@@ -326,7 +245,7 @@ def test_a_body_that_is_no_json_object_gets_400(server, raw):
 
 
 def test_a_body_over_the_limit_gets_413(server):
-    from nanokv_cli.serve import MAX_BODY_BYTES
+    from nanokv_cli.serve.json_body import MAX_BODY_BYTES
 
     r = post(server, "/v1/completions", {**OK_PROMPT, "prompt": "x" * MAX_BODY_BYTES})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -350,7 +269,7 @@ def test_a_request_that_can_never_fit_is_refused_up_front(server):
     # Within the model's length but over the cache (24 blocks of 16 tokens).
     r = post(server, "/v1/completions", {**OK_PROMPT, "max_tokens": 450})
     assert r.status_code == 400 and "cache has only 24" in r.json()["error"]["message"]
-    assert metrics(server)["nanokv:requests_rejected_total"] >= 1
+    assert server.metrics(KEY)["nanokv:requests_rejected_total"] >= 1
 
 
 def test_unknown_paths_and_methods(server):
@@ -381,7 +300,7 @@ def test_v1_needs_the_key_health_and_metrics_do_not(server):
 
 def test_metrics_use_vllm_names(server, client):
     client.completions.create(model="tiny", prompt="metrics", max_tokens=3)
-    m = metrics(server)
+    m = server.metrics(KEY)
     for name in (
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
@@ -410,11 +329,11 @@ def test_metrics_use_vllm_names(server, client):
 
 
 def aborted(server) -> float:
-    return metrics(server).get("vllm:request_success_total{finished_reason=abort}", 0.0)
+    return server.metrics(KEY).get("vllm:request_success_total{finished_reason=abort}", 0.0)
 
 
 def test_a_client_that_disconnects_mid_stream_is_aborted(server):
-    before, generated = aborted(server), metrics(server)["vllm:generation_tokens_total"]
+    before, generated = aborted(server), server.metrics(KEY)["vllm:generation_tokens_total"]
     body = {**OK_PROMPT, "max_tokens": 350, "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream(
@@ -425,7 +344,7 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server):
     # Closed after one event: the request is aborted and its blocks freed at once.
     assert wait_until(lambda: aborted(server) == before + 1)
     assert wait_until(lambda: idle(server))
-    assert metrics(server)["vllm:generation_tokens_total"] - generated < 350
+    assert server.metrics(KEY)["vllm:generation_tokens_total"] - generated < 350
 
 
 def test_a_client_that_gives_up_on_a_whole_response_is_aborted(server):
@@ -477,7 +396,7 @@ def stream_requests(url: str, n: int, results: list, started: threading.Event) -
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_load_drains_or_aborts_and_writes_trace_and_report(tiny, tmp_path, sig):
     trace, report = tmp_path / "serve.trace", tmp_path / "serve.json"
-    srv = Server(
+    srv = ServerProcess(
         [
             "--model",
             str(tiny),
@@ -500,7 +419,7 @@ def test_a_signal_during_load_drains_or_aborts_and_writes_trace_and_report(tiny,
         assert started.wait(60)
 
         def in_flight() -> float:
-            m = metrics(srv)
+            m = srv.metrics(KEY)
             return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
 
         assert wait_until(lambda: in_flight() == 8, timeout=60)
@@ -509,7 +428,7 @@ def test_a_signal_during_load_drains_or_aborts_and_writes_trace_and_report(tiny,
         for t in threads:
             t.join(60)
     finally:
-        srv.stop()
+        srv.kill()
     log = srv.log()
     assert "Traceback" not in log
     saved = json.loads(report.read_text())
@@ -567,7 +486,7 @@ def test_the_serving_page_examples_run(tmp_path):
     assert curls and "openai" in python
 
     # As written, on a free port instead of 8000.
-    srv = Server([*shlex.split(serve_line)[2:], "--port", "0", "--no-live"], tmp_path)
+    srv = ServerProcess([*shlex.split(serve_line)[2:], "--port", "0", "--no-live"], tmp_path)
     try:
         written = "http://127.0.0.1:8000"
         for line in curls:
@@ -624,10 +543,14 @@ def test_an_engine_failure_fails_requests_with_a_500_not_a_traceback(tiny):
 
     from fastapi.testclient import TestClient
 
-    from nanokv_cli.driver import Run, dry_run_engine
     from nanokv_cli.engine.config import EngineConfig
-    from nanokv_cli.engine.loader import load_tokenizer
-    from nanokv_cli.serve import EngineLoop, Metrics, ServerState, create_app
+    from nanokv_cli.engine.model.loader import load_tokenizer
+    from nanokv_cli.run.loop import dry_run_engine
+    from nanokv_cli.run.record import Run
+    from nanokv_cli.serve.app import create_app
+    from nanokv_cli.serve.engine_loop import EngineLoop
+    from nanokv_cli.serve.metrics import Metrics
+    from nanokv_cli.serve.serving import ServerState
 
     engine, clock = dry_run_engine(EngineConfig(block_size=16, num_blocks=64))
 

@@ -11,35 +11,26 @@ import inspect
 import json
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from support.servers import KEY, SERVER_ARGS, wait_until
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from test_serve import KEY, SERVER_ARGS, Server, wait_until  # noqa: E402
+from nanokv_cli.serve.process import ServerProcess
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON_AUTH = {**AUTH, "Content-Type": "application/json"}  # raw bytes sent as JSON
 HEADER_TIMEOUT, BODY_TIMEOUT = 0.5, 1.0
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
-
-
-def start(tiny: Path, workdir: Path, *flags: str) -> Server:
+def start(tiny: Path, workdir: Path, *flags: str) -> ServerProcess:
     args = ["--model", str(tiny), *SERVER_ARGS, "--served-model-name", "tiny", *flags]
-    return Server(args, workdir, env={"NANOKV_API_KEY": KEY})
+    return ServerProcess(args, workdir, env={"NANOKV_API_KEY": KEY})
 
 
-def stop(srv: Server) -> None:
+def stop(srv: ServerProcess) -> None:
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.wait() == 0, srv.log()
 
@@ -75,7 +66,7 @@ def guarded(tiny, tmp_path_factory):
     stop(srv)
 
 
-def connect(srv: Server) -> socket.socket:
+def connect(srv: ServerProcess) -> socket.socket:
     host, port = srv.url.removeprefix("http://").rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=10)
 
@@ -97,7 +88,7 @@ def read_until_closed(sock: socket.socket, limit: float) -> tuple[bytes, float]:
     return data, time.monotonic() - t0
 
 
-def open_stream(srv: Server, max_tokens: int) -> socket.socket:
+def open_stream(srv: ServerProcess, max_tokens: int) -> socket.socket:
     """A streaming completion, read up to its response's headers (it streams from then on)."""
     body = {"prompt": "Hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     raw = json.dumps(body).encode()
@@ -192,7 +183,7 @@ def test_deep_json_and_a_non_finite_number_get_a_400(server):
 
 
 def test_the_depth_scan_reads_raw_bytes_as_json_nests():
-    from nanokv_cli.serve import MAX_JSON_DEPTH, _nesting_depth
+    from nanokv_cli.serve.json_body import MAX_JSON_DEPTH, _nesting_depth
 
     deep = MAX_JSON_DEPTH + 10
     assert _nesting_depth(b"[" * deep + b"]" * deep) == deep
@@ -221,7 +212,7 @@ def test_guard_metrics_puts_metrics_behind_the_key(guarded):
 
 def test_the_cli_defaults_are_the_servers():
     from nanokv_cli.cli import serve_cmd
-    from nanokv_cli.serve import ServeLimits
+    from nanokv_cli.serve.limits import ServeLimits
 
     params = inspect.signature(serve_cmd).parameters
     for name in ("limit_concurrency", "limit_connections", "timeout_keep_alive", "timeout_header",

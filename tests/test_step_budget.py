@@ -1,4 +1,4 @@
-"""The step budget (engine/step_budget.py): while sequences decode, a step takes only the prompt
+"""The step budget (engine/core/step_budget.py): while sequences decode, a step takes only the prompt
 tokens that keep it under the latency target, at costs measured as the run goes; without
 decodes, or without a target, the fixed token budget rules as before."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, StepCostModel, VirtualClock
-from nanokv_cli.engine.llm_engine import LLMEngine
+from nanokv_cli.engine.core.dry_run import DryRunExecutor, StepCostModel, VirtualClock
+from nanokv_cli.engine.core.llm_engine import LLMEngine
+from nanokv_cli.engine.core.step_budget import StepBudget
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.engine.step_budget import StepBudget
 
 # A CPU-like virtual machine: 8 ms per step, 1 ms per computed token (the default model on 2
 # cores computes a prompt token in ~1 ms).

@@ -12,13 +12,14 @@ import weakref
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import make_tiny_model
+from support.models import make_tiny_model
 
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.cpu import build, contract
 from nanokv_cli.engine.cpu import kernels as cpu_kernels
+from nanokv_cli.engine.cpu import program as cpu_program
 from nanokv_cli.engine.cpu.program import RecordingError, StaleProgramError, StepProgram
-from nanokv_cli.engine.model_runner import ModelRunner
+from nanokv_cli.engine.runner.model_runner import ModelRunner
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
 
@@ -106,16 +107,16 @@ def test_recording_refuses_a_torch_op_that_computes():
         lambda h: h.to(torch.float64),
     ):
         with pytest.raises(RecordingError, match="a replay runs only the C kernel calls"):
-            with cpu_kernels.recording():
+            with cpu_program.recording():
                 stray(cpu_kernels.rms_norm(x, weight, 1e-5))
     with pytest.raises(RecordingError, match="aten.add.Tensor computes"):
-        with cpu_kernels.recording():
+        with cpu_program.recording():
             cpu_kernels.rms_norm(x, weight, 1e-5) + 1
 
 
 def test_recording_lets_views_and_allocations_through():
     x, weight = torch.randn(2, 4, 16), torch.randn(16)
-    with cpu_kernels.recording() as tape:
+    with cpu_program.recording() as tape:
         rows = x.view(8, 16)[:, :].reshape(2, 4, 16).to(torch.float32).contiguous()
         out = torch.empty(2, 4, 16)
         cpu_kernels.rms_norm(rows, weight, 1e-5, out=out)
@@ -127,7 +128,7 @@ def test_recording_lets_views_and_allocations_through():
 def test_recording_refuses_a_kernel_no_program_replays():
     values, scale = torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1, dtype=torch.float16)
     with pytest.raises(RecordingError, match="q8p_pack ran inside a recorded step"):
-        with cpu_kernels.recording():
+        with cpu_program.recording():
             cpu_kernels.pack(cpu_kernels.LINEAR_Q8P, values, scale)
 
 
@@ -164,7 +165,7 @@ def test_a_torch_op_in_the_decoder_fails_the_recorded_step(tiny_llama):
 
 
 def recorded_norm(x: torch.Tensor, weight: torch.Tensor) -> tuple[StepProgram, torch.Tensor]:
-    with cpu_kernels.recording() as tape:
+    with cpu_program.recording() as tape:
         out = cpu_kernels.rms_norm(x, weight, 1e-5)
     return StepProgram(tape, [x], out, {weight.untyped_storage().data_ptr()}), out.clone()
 
@@ -179,7 +180,7 @@ def test_a_program_keeps_the_weights_and_specs_it_points_at_alive():
     x, norm, w = (torch.randn(*s, generator=g) for s in ((2, 64), (64,), (48, 64)))
     spec = cpu_kernels.linear_spec(cpu_kernels.LINEAR_F32, w, 64, bias=torch.randn(48))
     persistent = {t.untyped_storage().data_ptr() for t in (norm, w, spec.tensors[1])}
-    with cpu_kernels.recording() as tape:
+    with cpu_program.recording() as tape:
         out = cpu_kernels.linear(spec, cpu_kernels.rms_norm(x, norm, 1e-5))
     program, expected = StepProgram(tape, [x], out, persistent), out.clone()
     held = [weakref.ref(t) for t in (norm, w, *spec.tensors)]
@@ -194,7 +195,7 @@ def test_a_program_refuses_a_spec_it_cannot_hold():
     w = torch.randn(8, 32)
     bare = cpu_kernels.LinearSpec(cpu_kernels.LINEAR_F32, 8, 32, w.data_ptr(), None)
     x = torch.randn(1, 32)
-    with cpu_kernels.recording() as tape:
+    with cpu_program.recording() as tape:
         out = cpu_kernels.linear(bare, x)
     with pytest.raises(ValueError, match="must come from kernels.linear_spec"):
         StepProgram(tape, [x], out, {w.untyped_storage().data_ptr()})

@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_models import make_tiny_model
+from support.models import make_tiny_model
 
 from nanokv_cli import LLM, SamplingParams
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.distributed import TensorParallelError, launch
-from nanokv_cli.engine.events import BlockCopied, SequencePreempted
-from nanokv_cli.engine.loader import load_model
+from nanokv_cli.engine.core.events import BlockCopied, SequencePreempted
+from nanokv_cli.engine.model.loader import load_model
+from nanokv_cli.engine.parallel.distributed import TensorParallelError, launch
 from nanokv_cli.engine.sequence import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,15 +39,8 @@ ATOL = 1e-4
 # happen, so the workers' mirrors of block tables are rebuilt, extended and replaced.
 SMALL = dict(dtype="float32", device="cpu", block_size=4, num_blocks=20, max_num_batched_tokens=32)
 ROOMY = dict(SMALL, num_blocks=128)  # for long generations
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Ranks share two cores: one thread each keeps them from fighting over them.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Ranks share two cores: one thread each keeps them from fighting over them.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

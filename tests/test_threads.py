@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
 from typer.testing import CliRunner
 
 from nanokv_cli import LLM, SamplingParams
@@ -26,11 +25,6 @@ def restore_torch_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
 
 
 def test_llm_threads_sets_torch_threads_and_generates(tiny):

@@ -2,12 +2,12 @@
 RequestRejected (a ValueError) naming the id, never an IndexError or OverflowError mid-step."""
 
 import pytest
-from tiny_models import make_tiny_model
+from support.models import make_tiny_model
 
 from nanokv_cli import LLM, SamplingParams
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor
-from nanokv_cli.engine.llm_engine import LLMEngine, RequestRejected
+from nanokv_cli.engine.core.dry_run import DryRunExecutor
+from nanokv_cli.engine.core.llm_engine import LLMEngine, RequestRejected
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 

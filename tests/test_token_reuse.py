@@ -6,13 +6,13 @@ token-level bound, and the model's tokens with copied K/V against computed ones.
 import signal
 
 import pytest
-from test_cache_truth import compute, dry_engine, lookup_of, seq_of
+from support.engines import compute, dry_engine, lookup_of, seq_of
 
 from nanokv_cli.engine.block_manager import BlockManager
-from nanokv_cli.engine.events import BlockAllocated, BlockCopied, CacheLookup
+from nanokv_cli.engine.core.events import BlockAllocated, BlockCopied, CacheLookup
+from nanokv_cli.engine.core.scheduler import Scheduler
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.engine.scheduler import Scheduler
-from nanokv_cli.report import InfiniteCache, RunStats
+from nanokv_cli.run.stats import InfiniteCache, RunStats
 
 
 def events_of(bm, seq):
@@ -161,7 +161,7 @@ def test_copied_kv_gives_transformers_tokens_through_the_engine(tmp_path):
     transformers' greedy one."""
     import torch
     import transformers
-    from tiny_models import make_tiny_model
+    from support.models import make_tiny_model
 
     from nanokv_cli import LLM
 
@@ -193,7 +193,9 @@ def test_a_system_prompt_shorter_than_a_block_is_reused_through_serve(tmp_path):
     """The issue's new user: the default model at the default block size (256), two chat
     requests through the ``openai`` client sharing a ~140-token system prompt."""
     import openai
-    from test_serve import KEY, Server
+    from support.servers import KEY
+
+    from nanokv_cli.serve.process import ServerProcess
 
     system = (
         "You are the support assistant of a small hardware store. Answer in one or two short "
@@ -206,7 +208,7 @@ def test_a_system_prompt_shorter_than_a_block_is_reused_through_serve(tmp_path):
         "order while the customer waits, and "
         "deliveries go out on Tuesdays."
     )
-    srv = Server(["--num-blocks", "32", "--no-live"], tmp_path, env={"NANOKV_API_KEY": KEY})
+    srv = ServerProcess(["--num-blocks", "32", "--no-live"], tmp_path, env={"NANOKV_API_KEY": KEY})
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=120)
         usages = []

@@ -3,11 +3,12 @@
 import json
 
 import pytest
-from tiny_models import CHATML_TEMPLATE, make_tokenizer_files
+from support.models import CHATML_TEMPLATE, make_tokenizer_files
 from tokenizers import pre_tokenizers
 
-from nanokv_cli.engine.loader import default_model_path, gguf_metadata
-from nanokv_cli.engine.tokenizer import (
+from nanokv_cli.engine.model.gguf_file import gguf_metadata
+from nanokv_cli.engine.model.loader import default_model_path
+from nanokv_cli.engine.model.tokenizer import (
     ChatTemplateError,
     IncrementalDecoder,
     Tokenizer,

@@ -1,5 +1,5 @@
 """``nanokv top`` against real servers: ``nanokv serve`` subprocesses on a tiny Llama, read over
-real HTTP by the CLI (``--once --json``) and the library (``nanokv_cli.top.Top``), one server,
+real HTTP by the CLI (``--once --json``) and the library (``nanokv_cli.serve.top.Top``), one server,
 two at once, one of them restarted; the interactive view in a pty (pexpect). And the cache
 stream itself, followed step by step against the block manager's own books."""
 
@@ -14,35 +14,26 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pexpect
 import pytest
 from rich.console import Console
+from support.servers import KEY, wait_until
 
-from nanokv_cli.cache_stream import EVENTS_PATH, CacheRecorder, CacheStream, block_code
-from nanokv_cli.cli import dry_run_engine
-from nanokv_cli.engine.block_manager import MISS_REASONS
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.events import StepSnapshot
+from nanokv_cli.engine.core.cache_stats import MISS_REASONS
+from nanokv_cli.engine.core.events import StepSnapshot
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.serve import CACHE_COUNTERS
-from nanokv_cli.top import ServerView, Top, _sse_frames, parse_url, server_json, top_json
+from nanokv_cli.run.loop import dry_run_engine
+from nanokv_cli.serve.cache_stream import EVENTS_PATH, CacheRecorder, CacheStream, block_code
+from nanokv_cli.serve.metrics import CACHE_COUNTERS
+from nanokv_cli.serve.process import ServerProcess, metrics_at
+from nanokv_cli.serve.top import ServerView, Top, _sse_frames, parse_url, server_json, top_json
 from nanokv_cli.views.top import fleet_frame
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_serve import KEY, Server, metrics, wait_until  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = list(range(10, 58))  # three 16-token blocks every request shares (vocabulary: 320)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
 
 
 def serve_args(tiny: Path, name: str, num_blocks: int) -> list[str]:
@@ -52,7 +43,7 @@ def serve_args(tiny: Path, name: str, num_blocks: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server_a(tiny, tmp_path_factory):
-    srv = Server(
+    srv = ServerProcess(
         serve_args(tiny, "tiny-a", 24), tmp_path_factory.mktemp("a"), {"NANOKV_API_KEY": KEY}
     )
     yield srv
@@ -72,8 +63,8 @@ def complete(url: str, suffix: list[int], max_tokens: int = 8) -> dict:
 
 
 def idle(url: str) -> dict[str, float] | None:
-    """/metrics once nothing runs (test_serve.metrics reads the ``url`` of what it is given)."""
-    m = metrics(SimpleNamespace(url=url))
+    """/metrics once nothing runs, else None."""
+    m = metrics_at(url, KEY)
     busy = m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
     return m if busy == 0 and m["nanokv:kv_cache_blocks{state=used}"] == 0 else None
 
@@ -304,7 +295,7 @@ def test_two_servers_then_one_restarts(server_a, tiny, tmp_path):
     args_b = serve_args(tiny, "tiny-b", 32)
     env = {"NANOKV_API_KEY": KEY}
     (tmp_path / "b1").mkdir()
-    b = Server(args_b, tmp_path / "b1", env)
+    b = ServerProcess(args_b, tmp_path / "b1", env)
     try:
         for i in range(3):
             complete(b.url, [250 + i])
@@ -333,7 +324,7 @@ def test_two_servers_then_one_restarts(server_a, tiny, tmp_path):
             assert top.views()[0].status == "up"
             port = b.url.rsplit(":", 1)[1]
             (tmp_path / "b2").mkdir()
-            b = Server([*args_b, "--port", port], tmp_path / "b2", env)
+            b = ServerProcess([*args_b, "--port", port], tmp_path / "b2", env)
             assert b.url.endswith(f":{port}")
             assert top.wait(lambda vs: vs[1].status == "up", 30)
             complete(b.url, [260])
@@ -352,7 +343,7 @@ def test_two_servers_then_one_restarts(server_a, tiny, tmp_path):
         assert once.returncode == 0, once.stderr
         assert [r["model"] for r in json.loads(once.stdout)["servers"]] == ["tiny-a", "tiny-b"]
     finally:
-        b.stop()
+        b.kill()
 
 
 def m_done(m: dict[str, float]) -> float:

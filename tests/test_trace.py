@@ -6,31 +6,28 @@ from __future__ import annotations
 import copy
 import io
 import json
-import sys
-from pathlib import Path
 
 import msgpack
 import msgspec
 import pytest
+from support.engines import books
 
-import nanokv_cli.trace as trace_mod
-from nanokv_cli.driver import Arrivals, Driver
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.events import CacheState, StepSnapshot, event_to_dict
-from nanokv_cli.engine.llm_engine import LLMEngine
-from nanokv_cli.engine.mooncake import SynthesizedPrompt
-from nanokv_cli.engine.requests import Request, all_at_once
+from nanokv_cli.engine.core.dry_run import DryRunExecutor, VirtualClock
+from nanokv_cli.engine.core.events import BlockStored as EngineBlockStored
+from nanokv_cli.engine.core.events import CacheState, StepSnapshot, event_to_dict
+from nanokv_cli.engine.core.llm_engine import LLMEngine
+from nanokv_cli.engine.core.requests import Request, all_at_once
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.trace import (
-    TRACE_VERSION,
-    TraceError,
-    TraceReader,
-    TraceWriter,
-    describe_state,
-    export,
-    make_header,
-)
+from nanokv_cli.run.analysis import describe_state
+from nanokv_cli.run.loop import Arrivals, Driver
+from nanokv_cli.trace import format as trace_format
+from nanokv_cli.trace import writer
+from nanokv_cli.trace.exporter import export
+from nanokv_cli.trace.format import TRACE_VERSION, TraceError, make_header
+from nanokv_cli.trace.reader import TraceReader
+from nanokv_cli.trace.writer import TraceWriter
+from nanokv_cli.workload.mooncake import SynthesizedPrompt
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 
@@ -63,8 +60,8 @@ def run_shared_prefix_workload(eng: LLMEngine, on_step=None) -> None:
 @pytest.fixture
 def small_records(monkeypatch):
     """Checkpoints every 3 steps and a record per step or two: every path gets exercised."""
-    monkeypatch.setattr(trace_mod.writer, "CHECKPOINT_EVERY", 3)
-    monkeypatch.setattr(trace_mod.writer, "FLUSH_STEPS", 2)
+    monkeypatch.setattr(writer, "CHECKPOINT_EVERY", 3)
+    monkeypatch.setattr(writer, "FLUSH_STEPS", 2)
 
 
 def record(tmp_path, on_step=None):
@@ -97,19 +94,9 @@ def live_states(seen):
     return expected
 
 
-def books(state):
-    return (
-        state.ref_count,
-        state.block_hash,
-        state.block_tables,
-        {b: list(t) for b, t in state.block_tokens.items()},
-        {s: list(p) for s, p in state.prompts.items()},
-    )
-
-
 def test_header_and_every_event_read_back(tmp_path, small_records):
     path, seen = record(tmp_path)
-    assert path.read_bytes()[:8] == trace_mod.MAGIC
+    assert path.read_bytes()[:8] == trace_format.MAGIC
     reader = TraceReader(path)
     assert reader.header["format"] == "nanokv-trace" and reader.header["version"] == TRACE_VERSION
     assert reader.block_size == BLOCK_SIZE and reader.num_blocks == NUM_BLOCKS
@@ -149,12 +136,12 @@ def test_prompt_tokens_are_stored_once(tmp_path):
         if r[0] == b"E"
         for item in TraceReader(path)._payload(r)
     ]
-    stored = [it for it in items if it[0] == trace_mod._CODE[trace_mod.BlockStored]]
+    stored = [it for it in items if it[0] == trace_format._CODE[EngineBlockStored]]
     assert len(stored) == 100 and all(it[4] != -1 for it in stored)  # all by reference
 
 
 def test_every_step_is_on_disk_once_flushed(tmp_path, monkeypatch):
-    monkeypatch.setattr(trace_mod.writer, "FLUSH_SECONDS", 0.0)  # a slow (model) step: flush each one
+    monkeypatch.setattr(writer, "FLUSH_SECONDS", 0.0)  # a slow (model) step: flush each one
     steps = []
 
     def check(path):
@@ -192,7 +179,7 @@ def test_a_torn_last_record_is_dropped_with_a_note(tmp_path, small_records):
             b'{"format": "nanokv-trace", "version": 1, "block_size": 0, "num_blocks": 8}\n',
             "lacks a valid 'block_size'",
         ),
-        (trace_mod.MAGIC, "no header record"),
+        (trace_format.MAGIC, "no header record"),
     ],
 )
 def test_bad_files(tmp_path, content, message):
@@ -347,8 +334,7 @@ def test_synthesized_prompts_are_stored_as_their_recipe(tmp_path):
 def test_a_model_runs_trace_rebuilds_the_same_books(tmp_path):
     """Prompt and generated tokens, every block event, every snapshot: the state rebuilt
     from the trace equals the one rebuilt from the live events, at every step."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import make_tiny_model
+    from support.models import make_tiny_model
 
     from nanokv_cli import LLM
 

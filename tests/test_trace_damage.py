@@ -21,14 +21,17 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_hostile_cli import run as run_limited
-from test_trace import books as trace_books
+from support.cli import run_limited
+from support.engines import books as trace_books
 from typer.testing import CliRunner
 
-import nanokv_cli.trace as trace_mod
 from nanokv_cli.cli import app
-from nanokv_cli.engine.events import AllBlocksCleared
-from nanokv_cli.trace import (
+from nanokv_cli.engine.core.events import AllBlocksCleared
+from nanokv_cli.run.analysis import explain_request
+from nanokv_cli.trace import budget as view_budget
+from nanokv_cli.trace import format as trace_format
+from nanokv_cli.trace.exporter import export
+from nanokv_cli.trace.format import (
     _PREFIX,
     MAGIC,
     MAX_HASH_IDS,
@@ -36,10 +39,8 @@ from nanokv_cli.trace import (
     MAX_RECORD_BYTES,
     MAX_RECORD_EVENTS,
     TraceError,
-    TraceReader,
-    explain_request,
-    export,
 )
+from nanokv_cli.trace.reader import TraceReader
 
 REPO = Path(__file__).resolve().parents[1]
 # Address space of an inspect run: ~170 MB at start, every view of the recorded trace works
@@ -53,7 +54,7 @@ runner = CliRunner()
 
 
 def run(args: list) -> tuple[subprocess.CompletedProcess, float]:
-    """``nanokv ARGS`` in a subprocess under the limits (test_hostile_cli's runner), and its
+    """``nanokv ARGS`` in a subprocess under the limits (support/cli.py's runner), and its
     wall time."""
     t0 = time.perf_counter()
     result = run_limited(args, memory=MEMORY, timeout=TIMEOUT_S)
@@ -229,7 +230,7 @@ def test_a_record_of_five_million_events_is_refused_before_it_is_unpacked(tmp_pa
     """25 s and 585 MB for --summary; past 60 s at 870 MB for --request and the exports."""
     records = read_records(recorded)
     last = index_of(records, b"E", -1)
-    cleared = [trace_mod._CODE[AllBlocksCleared]]
+    cleared = [trace_format._CODE[AllBlocksCleared]]
     step = records[last][1]
     records = replace_record(records, last, [cleared] * 5_000_000)
     path = write(tmp_path, pack(records))
@@ -239,7 +240,7 @@ def test_a_record_of_five_million_events_is_refused_before_it_is_unpacked(tmp_pa
 def test_a_view_reads_at_most_its_budget_of_events(tmp_path, recorded, monkeypatch):
     path = write(tmp_path, recorded)
     budget = TraceReader(path).summary()["num_events"] - 1
-    monkeypatch.setattr(trace_mod.budget, "MAX_VIEW_EVENTS", budget)
+    monkeypatch.setattr(view_budget, "MAX_VIEW_EVENTS", budget)
     reader = TraceReader(path)
     for view in (reader.summary, lambda: list(reader.events()), reader.summary):
         with pytest.raises(TraceError, match=f"past the {budget:,} events one view may read"):

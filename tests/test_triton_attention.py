@@ -1,4 +1,4 @@
-"""Our Triton paged attention (engine/triton_attention.py, triton_kernels.py) on CPU, under
+"""Our Triton paged attention (engine/runner/triton_attention.py, triton_kernels.py) on CPU, under
 Triton's interpreter: the same kernels a CUDA run compiles, checked against SDPA over gathered
 K/V (the reference), then a tiny model end to end through the ``triton`` back end, and the
 back-end choice of a CUDA machine posed without one (issue 44).
@@ -11,8 +11,6 @@ so other test files (and the processes they start) never see it. Needs triton, n
 
 import os
 from dataclasses import replace
-from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,20 +32,17 @@ pytest.importorskip(
 )
 _interpret(_PREVIOUS)
 
-from tiny_models import Driver, make_tiny_model, read_model  # noqa: E402
+from support.engines import Driver  # noqa: E402
 
 from nanokv_cli import doctor  # noqa: E402
-from nanokv_cli.engine import triton_attention  # noqa: E402
-from nanokv_cli.engine.config import EngineConfig, ModelConfig  # noqa: E402
-from nanokv_cli.engine.model_runner import ModelRunner  # noqa: E402
-from nanokv_cli.engine.run_plan import (  # noqa: E402
-    AttentionKernels,
-    captures_graphs,
-    choose_attention,
-)
+from nanokv_cli.engine.config import EngineConfig  # noqa: E402
+from nanokv_cli.engine.runner import triton_attention  # noqa: E402
+from nanokv_cli.engine.runner.model_runner import ModelRunner  # noqa: E402
+from nanokv_cli.engine.runner.run_plan import AttentionKernels, captures_graphs, choose_attention  # noqa: E402
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,14 +50,6 @@ def interpreter():
     os.environ["TRITON_INTERPRET"] = "1"
     yield
     _interpret(_PREVIOUS)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- the kernel against SDPA --------------------------------------------------------------------
@@ -191,17 +178,6 @@ def test_query_tiles_cover_each_sequence():
 # -- a tiny model through the triton back end ---------------------------------------------------
 
 
-@cache
-def tiny(arch: str, root: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    return read_model(make_tiny_model(arch, Path(root) / arch))[:2]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("tiny"))
-    return lambda arch: tiny(arch, root)
-
-
 def runner_for(config, weights, backend="auto", **kw) -> ModelRunner:
     base = {"block_size": 16, "num_blocks": 64, "device": "cpu", "max_model_len": 256}
     settings = EngineConfig(**{**base, "threads": 1, "attention_backend": backend, **kw})
@@ -216,10 +192,10 @@ PROMPTS = [prompt_of(n, salt) for salt, n in enumerate([9, 23, 40])]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_model_gives_the_torch_paths_greedy_tokens(models, arch):
+def test_tiny_model_gives_the_torch_paths_greedy_tokens(tiny_weights, arch):
     """Whole prompts, then prompts in 8-token chunks joining a running batch (mixed steps of
     decodes and chunks over cached prefixes), against the CPU's own path."""
-    config, weights = models(arch)
+    config, weights = tiny_weights(arch)[:2]
     reference = runner_for(config, weights)
     triton_run = runner_for(config, weights, "triton")
     assert triton_run.plan.attention == "triton" and reference.plan.attention != "triton"
@@ -228,8 +204,8 @@ def test_tiny_model_gives_the_torch_paths_greedy_tokens(models, arch):
         assert Driver(triton_run).generate(PROMPTS, 5, chunk, arrivals) == expected
 
 
-def test_bfloat16_logits_agree_with_sdpa(models):
-    config, weights = models("llama")
+def test_bfloat16_logits_agree_with_sdpa(tiny_weights):
+    config, weights = tiny_weights("llama")[:2]
     logits = {}
     for backend in ("sdpa", "triton"):
         runner = runner_for(config, weights, backend, dtype="bfloat16")
@@ -241,10 +217,10 @@ def test_bfloat16_logits_agree_with_sdpa(models):
     torch.testing.assert_close(logits["triton"], logits["sdpa"], atol=3e-2, rtol=0)
 
 
-def test_recompute_after_preemption(models):
+def test_recompute_after_preemption(tiny_weights):
     """A preempted sequence's blocks are overwritten by another; recomputed in two chunks
     it decodes as if never preempted."""
-    config, weights = models("llama")
+    config, weights = tiny_weights("llama")[:2]
     expected = Driver(runner_for(config, weights)).generate([PROMPTS[1]], 12)[0]
     runner = runner_for(config, weights, "triton", block_size=4)
     driver = Driver(runner)
@@ -262,10 +238,10 @@ def test_recompute_after_preemption(models):
     assert seq.completion_token_ids == expected
 
 
-def test_copied_prefix_hit(models):
+def test_copied_prefix_hit(tiny_weights):
     """A token-granular hit: the shared leading tokens' K/V are copied into a fresh block
     (``Sequence.kv_copy``) before the step, and the kernel reads them where they landed."""
-    config, weights = models("qwen3")
+    config, weights = tiny_weights("qwen3")[:2]
     shared = prompt_of(16 + 11, salt=8)  # a full block, then 11 tokens of the next
     prompt = shared + prompt_of(6, salt=10)
     expected = Driver(runner_for(config, weights)).generate([prompt], 4)[0]
@@ -284,10 +260,10 @@ def test_copied_prefix_hit(models):
     assert second.completion_token_ids == expected
 
 
-def test_sizing_warmup_runs_the_kernel_on_a_scratch_block(models, monkeypatch):
+def test_sizing_warmup_runs_the_kernel_on_a_scratch_block(tiny_weights, monkeypatch):
     """The CUDA memory-sizing warm-up runs before the cache exists; the triton back end
     reads K/V from the cache, so the warm-up gives it one scratch block."""
-    config, weights = models("llama")
+    config, weights = tiny_weights("llama")[:2]
     runner = runner_for(config, weights, "triton", max_num_batched_tokens=64)
     calls = []
     real = triton_attention.paged_attention
@@ -299,12 +275,12 @@ def test_sizing_warmup_runs_the_kernel_on_a_scratch_block(models, monkeypatch):
 
 
 @pytest.mark.parametrize("max_context", [256, 4096], ids=["2d", "split-kv"])
-def test_a_decode_staged_into_the_graph_inputs_computes_the_eager_step(models, max_context):
+def test_a_decode_staged_into_the_graph_inputs_computes_the_eager_step(tiny_weights, max_context):
     """What a replayed CUDA graph computes, checked on CPU: a decode step of 3 rows copied
     into the graphs' static buffers and padded to the ladder's 4 (the padding row stores into
     the scratch block and attends to nothing) gives the eager step's hidden states, in the
     launch fixed at capture for that batch size (split-KV when contexts may grow long)."""
-    config, weights = models("llama")
+    config, weights = tiny_weights("llama")[:2]
     runner = runner_for(config, weights, "triton")
     driver = Driver(runner)
     seqs = [driver.new(p) for p in PROMPTS]

@@ -8,16 +8,22 @@ import pytest
 from rich.console import Console
 
 from nanokv_cli.engine.config import EngineConfig
-from nanokv_cli.engine.dry_run import DryRunExecutor, VirtualClock
-from nanokv_cli.engine.events import BlockAllocated, BlockFreed, BlockHit, BlockStored, CacheState
-from nanokv_cli.engine.llm_engine import LLMEngine
+from nanokv_cli.engine.core.dry_run import DryRunExecutor, VirtualClock
+from nanokv_cli.engine.core.events import (
+    BlockAllocated,
+    BlockFreed,
+    BlockHit,
+    BlockStored,
+    CacheState,
+)
+from nanokv_cli.engine.core.llm_engine import LLMEngine
 from nanokv_cli.engine.sampling_params import SamplingParams
-from nanokv_cli.prompts import map_prompt_blocks
-from nanokv_cli.trace import describe_state
+from nanokv_cli.run.analysis import describe_state
 from nanokv_cli.views.blockmap import blocks_per_cell, legend, render_block_map
 from nanokv_cli.views.inspect import render_prompt_map, render_trace_state
 from nanokv_cli.views.live import LiveView
 from nanokv_cli.views.tables import comparison_table, hit_rate_chart, summary_table
+from nanokv_cli.workload.prompts import map_prompt_blocks
 
 
 def console(width: int = 100, height: int = 40) -> Console:
@@ -288,9 +294,9 @@ def test_live_view_counters_match_the_block_managers_stats_in_a_terminal(match):
     it applies event by event) equal what ``CacheState.apply_all`` makes of the same events."""
     import re
 
-    from nanokv_cli.cli import dry_run_engine
-    from nanokv_cli.engine.block_manager import MISS_REASONS
-    from nanokv_cli.engine.events import CacheLookup
+    from nanokv_cli.engine.core.cache_stats import MISS_REASONS
+    from nanokv_cli.engine.core.events import CacheLookup
+    from nanokv_cli.run.loop import dry_run_engine
 
     eng, _ = dry_run_engine(EngineConfig(block_size=4, num_blocks=24, prefix_match=match))
     buf = io.StringIO()

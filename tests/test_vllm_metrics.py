@@ -9,26 +9,17 @@ import json
 import random
 import re
 import signal
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_serve import Server  # noqa: E402
+from nanokv_cli.serve.process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "examples" / "grafana" / "nanokv-dashboard.json"
 BS, BLOCKS = 16, 24
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from tiny_models import make_tiny_model
-
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models") / "llama")
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -59,7 +50,7 @@ def run(tiny, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("server")
     args = ["--model", str(tiny), "--block-size", str(BS), "--num-blocks", str(BLOCKS)]
     args += ["--prefix-match", "block", "--threads", "1", "--no-live"]
-    server = Server(args, workdir, {"OMP_NUM_THREADS": "1"})
+    server = ServerProcess(args, workdir, {"OMP_NUM_THREADS": "1"})
     rng = random.Random(5)
     systems = [[rng.randrange(3, 300) for _ in range(3 * BS)] for _ in range(2)]
     usages = []

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import typer
 
-from ..engine.loader import ModelLoadError
+from ..engine.model.loader import ModelLoadError
 
 
 class CliError(Exception):
@@ -50,7 +50,7 @@ def user_errors(debug: bool) -> Iterator[None]:
 
 def _is_worker_failure(e: Exception) -> bool:
     """A tensor-parallel worker died: the user's environment, not a nanokv bug."""
-    dist = sys.modules.get("nanokv_cli.engine.distributed")  # loaded only with a TP model
+    dist = sys.modules.get("nanokv_cli.engine.parallel.distributed")  # loaded only with a TP model
     return dist is not None and isinstance(e, dist.TensorParallelError)
 
 

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import Annotated, Any
 
 import typer
 
-from ..driver import EngineClock, PromptEncoder, RunError
 from ..engine.sampling_params import SamplingParams
 from ..paths import check_model_path
-from ..prompts import MAX_LINE_CHARS
+from ..run.encode import PromptEncoder
+from ..run.interrupt import StepInterrupt
+from ..run.record import RunError
+from ..workload.prompts import MAX_LINE_CHARS
 from .engine_options import EngineFlags, engine_options
 from .errors import user_errors
 from .models import make_llm
@@ -60,9 +61,12 @@ def generate(
     with user_errors(debug):
         check_model_path(model)
         llm = make_llm(model, engine_config)
-        results = _run_generate(llm, texts, sampling, chat, want_live(live, json_out), json_out)
+        live_on = want_live(live, json_out)
+        results, interrupted = _run_generate(llm, texts, sampling, chat, live_on, json_out)
         if json_out:
             print_json(results)
+        if interrupted:  # the text and summary are out: exit as an interrupted run does
+            raise KeyboardInterrupt
 
 
 def _prompt_args(prompts: list[str] | None) -> list[str]:
@@ -106,63 +110,111 @@ def _read_stdin(max_chars: int) -> str:
 
 def _run_generate(
     llm, texts: list[str], defaults: SamplingParams, chat: bool, live: bool, json_out: bool
-) -> list[dict[str, Any]]:
-    from ..driver import Arrivals, Driver, Request
-    from ..engine.tokenizer import IncrementalDecoder
+) -> tuple[list[dict[str, Any]], bool]:
+    """Every prompt's result, and whether Ctrl-C cut the run short (the text so far is kept)."""
+    from ..engine.core.llm_engine import RequestRejected
 
-    engine, tokenizer = llm.engine, llm.tokenizer
-    encoder = PromptEncoder(None, chat, tokenizer=tokenizer, max_prompt_tokens=llm.max_model_len)
-    clock = EngineClock(engine)
-    index: dict[int, int] = {}  # seq_id -> prompt index
-
-    def on_rejected(req, error: Exception) -> None:
-        prefix = f"prompt {req.tag + 1}: " if len(texts) > 1 else ""
-        raise RunError(f"{prefix}{error}")
-
-    driver = Driver(
-        engine,
-        clock,
-        max_waiting=math.inf,  # every prompt is admitted (or rejected) before the first step
-        on_added=lambda seq_id, req: index.__setitem__(seq_id, req.tag),
-        on_rejected=on_rejected,
+    encoder = PromptEncoder(
+        None, chat, tokenizer=llm.tokenizer, max_prompt_tokens=llm.max_model_len
     )
-    source = Arrivals(
-        [Request(encoder.text(text), defaults, 0.0, tag=i) for i, text in enumerate(texts)],
-        start=clock(),
-    )
-    driver.admit(source)
-    decoders = [IncrementalDecoder(tokenizer) for _ in texts]
-    pieces: list[list[str]] = [[] for _ in texts]
-    finals: list[Any] = [None] * len(texts)
+    prompts = [encoder.text(text) for text in texts]
+    outputs = _Outputs(llm.tokenizer, texts, prompts)
     printer = _OrderedPrinter(texts) if not live and not json_out else None
+    interrupted = False
     t0 = time.perf_counter()
     with ExitStack() as stack:
-        view = stack.enter_context(_live_view(engine, len(texts))) if live else None
-        for outputs in driver.run(source):
-            for out in outputs:
-                i = index[out.seq_id]
-                piece = "".join(decoders[i].add(t) for t in out.new_token_ids)
-                if out.finished:
-                    piece += decoders[i].flush()
-                    finals[i] = out
-                pieces[i].append(piece)
-                if view is not None:
-                    view.set_text(out.seq_id, "".join(pieces[i]))
-                if printer is not None:
-                    printer.add(i, piece, out.finished)
+        view = stack.enter_context(_live_view(llm.engine, len(texts))) if live else None
+        stop = stack.enter_context(StepInterrupt())
+
+        def on_step() -> None:
             if view is not None:
                 view.tick()
+            if stop.requested:  # between steps: every token of the last one was handed out
+                raise KeyboardInterrupt
+
+        stream = stack.enter_context(closing(llm.stream(prompts, defaults, on_step=on_step)))
+        try:
+            for i, out in stream:
+                piece = outputs.add(i, out)
+                if view is not None:
+                    view.set_text(out.seq_id, outputs.text(i))
+                if printer is not None:
+                    printer.add(i, piece, out.finished)
+        except RequestRejected as e:
+            raise RunError(str(e)) from None
+        except KeyboardInterrupt:
+            interrupted = True
     elapsed = time.perf_counter() - t0
-    results = [_generate_result(texts[i], "".join(pieces[i]), finals[i]) for i in range(len(texts))]
+    if interrupted:
+        rest = outputs.finish()
+        if printer is not None:
+            printer.close(rest)
+    results = outputs.results()
     if live and not json_out:
         _print_texts(texts, results)
-    if not json_out:
-        _print_generate_summary(results, elapsed)
-    return results
+    if not json_out or interrupted:  # an interrupted run always says what it kept
+        _print_generate_summary(results, elapsed, interrupted)
+    return results, interrupted
+
+
+class _Outputs:
+    """Each prompt's text as it streams, and its result: whole once finished, else what came
+    before Ctrl-C (``finish_reason`` "abort", as the engine's)."""
+
+    def __init__(self, tokenizer, texts: list[str], prompts: list[list[int]]) -> None:
+        from ..engine.model.tokenizer import IncrementalDecoder
+
+        self.texts, self.prompts = texts, prompts
+        self.decoders = [IncrementalDecoder(tokenizer) for _ in texts]
+        self.pieces: list[list[str]] = [[] for _ in texts]
+        self.latest: list[Any] = [None] * len(texts)
+        self.seen = [0] * len(texts)  # tokens handed out (a cut step may hold more, never shown)
+
+    def add(self, i: int, out) -> str:
+        piece = "".join(self.decoders[i].add(t) for t in out.new_token_ids)
+        if out.finished:
+            piece += self.decoders[i].flush()
+        self.pieces[i].append(piece)
+        self.latest[i] = out
+        self.seen[i] += len(out.new_token_ids)
+        return piece
+
+    def text(self, i: int) -> str:
+        return "".join(self.pieces[i])
+
+    def finish(self) -> list[str]:
+        """After Ctrl-C: what each unfinished prompt's decoder still held (a character cut
+        mid-bytes), added to its text; returned for a printer to write."""
+        rest = []
+        for i, out in enumerate(self.latest):
+            piece = "" if out is not None and out.finished else self.decoders[i].flush()
+            self.pieces[i].append(piece)
+            rest.append(piece)
+        return rest
+
+    def results(self) -> list[dict[str, Any]]:
+        from ..llm import output_dict
+
+        results = []
+        for i, out in enumerate(self.latest):
+            text = self.text(i)
+            if out is not None and out.finished:
+                results.append({"prompt": self.texts[i], **output_dict(out, text)})
+                continue
+            r = {"prompt": self.texts[i], "text": text, "token_ids": []}
+            r.update(num_prompt_tokens=len(self.prompts[i]), num_output_tokens=0)
+            r.update(num_cached_tokens=0, finish_reason="abort", ttft_s=None, latency_s=None)
+            if out is not None:
+                partial = output_dict(out, text)
+                partial["token_ids"] = partial["token_ids"][: self.seen[i]]
+                partial["num_output_tokens"] = len(partial["token_ids"])
+                r.update(partial, finish_reason="abort", latency_s=None)
+            results.append(r)
+        return results
 
 
 def _live_view(engine, total: int):
-    from ..driver import live_view
+    from ..views.live import live_view
 
     return live_view(
         engine,
@@ -203,27 +255,21 @@ class _OrderedPrinter:
             self.queue.pop(0)
         sys.stdout.flush()
 
+    def close(self, held_back: list[str]) -> None:
+        """After Ctrl-C: the rest of what every prompt got, in order, each line ended."""
+        for i in self.queue:
+            if self.open != i:
+                self._header(i)
+            sys.stdout.write("".join(self.pending[i]) + held_back[i] + "\n")
+        self.queue.clear()
+        sys.stdout.flush()
+
     def _header(self, i: int) -> None:
         if self.many:
             sep = "\n" if self.printed else ""
             sys.stdout.write(f"{sep}--- {self.texts[i]!r}\n")
         self.open = i
         self.printed += 1
-
-
-def _generate_result(prompt: str, text: str, out) -> dict[str, Any]:
-    ttft = out.first_token_time - out.arrival_time if out.first_token_time is not None else None
-    return {
-        "prompt": prompt,
-        "text": text,
-        "token_ids": list(out.token_ids),
-        "num_prompt_tokens": out.num_prompt_tokens,
-        "num_output_tokens": len(out.token_ids),
-        "num_cached_tokens": out.num_cached_tokens,
-        "finish_reason": out.finish_reason,
-        "ttft_s": ttft,
-        "latency_s": out.finish_time - out.arrival_time if out.finish_time is not None else None,
-    }
 
 
 def _print_texts(texts: list[str], results: list[dict[str, Any]]) -> None:
@@ -234,13 +280,17 @@ def _print_texts(texts: list[str], results: list[dict[str, Any]]) -> None:
     sys.stdout.flush()
 
 
-def _print_generate_summary(results: list[dict[str, Any]], elapsed: float) -> None:
+def _print_generate_summary(
+    results: list[dict[str, Any]], elapsed: float, interrupted: bool = False
+) -> None:
     n_out = sum(r["num_output_tokens"] for r in results)
     n_prompt = sum(r["num_prompt_tokens"] for r in results)
     n_cached = sum(r["num_cached_tokens"] for r in results)
     rate = n_out / elapsed if elapsed > 0 else 0.0
     hit_rate = n_cached / n_prompt if n_prompt else 0.0
+    done = sum(r["finish_reason"] != "abort" for r in results)
+    cut = f" · interrupted: {done} of {len(results)} prompts finished" if interrupted else ""
     stderr_console().print(
         f"[dim]{n_out} tokens in {elapsed:.2f} s ({rate:.1f} tok/s) · prompt {n_prompt} tokens, "
-        f"{n_cached} from the prefix cache (hit rate {hit_rate:.1%})[/dim]"
+        f"{n_cached} from the prefix cache (hit rate {hit_rate:.1%}){cut}[/dim]"
     )

@@ -10,11 +10,11 @@ from typing import Annotated
 
 import typer
 
-from ..driver import PromptEncoder, encode_prompts
-from ..engine.loader import ModelLoadError, load_tokenizer
+from ..engine.model.loader import ModelLoadError, load_tokenizer
 from ..paths import check_model_path, check_outputs
-from ..prompts import FORMATS, PromptRequest, read_prompts
-from ..replay import DRY_RUN_CACHE_TOKENS
+from ..run.encode import PromptEncoder, encode_prompts
+from ..whatif.replay import DRY_RUN_CACHE_TOKENS
+from ..workload.prompts import FORMATS, PromptRequest, read_prompts
 from .engine_options import EngineFlags, engine_options
 from .errors import CliError, one_line, user_errors
 from .options import DEFAULT_BLOCK_SIZE, ChatOpt, DebugOpt, JsonOpt, check_format
@@ -148,7 +148,7 @@ def inspect(
 
 
 def _reader(path: Path):
-    from ..trace import TraceReader
+    from ..trace.reader import TraceReader
 
     reader = TraceReader(path)
     if reader.note:
@@ -157,7 +157,7 @@ def _reader(path: Path):
 
 
 def _inspect_trace(path: Path, step: int | None, json_out: bool, list_all: bool = False) -> None:
-    from ..trace import describe_state
+    from ..run.analysis import describe_state
     from ..views.inspect import MAX_ROWS, render_trace_state
 
     reader = _reader(path)
@@ -197,7 +197,7 @@ def _block_text_decoder(reader) -> Callable[[list[int]], str] | None:
 
 def _export_trace(path: Path, fmt: str, out: Path) -> None:
     from ..paths import atomic_output
-    from ..trace import export
+    from ..trace.exporter import export
 
     reader = _reader(path)
     check_outputs({"--export": out}, inputs=[path])
@@ -225,7 +225,9 @@ def _trace_summary(path: Path, json_out: bool) -> None:
         f"prefix-cache hit rate {c['hit_rate']:.1%}: {c['cache_hits']:,} of "
         f"{c['cache_queries']:,} prompt tokens (first admissions; shared "
         f"{c['shared_hit_tokens']:,}, revived {c['revived_hit_tokens']:,}, "
-        f"copied {c['copied_hit_tokens']:,}), "
+        f"copied {c['copied_hit_tokens']:,}"
+        + (f", restored {c['restored_hit_tokens']:,}" if c.get("restored_hit_tokens") else "")
+        + "), "
         f"{c['evictions']:,} evictions, {c['preemptions']:,} preemptions"
     )
     for name, n in sorted(info["events"].items(), key=lambda kv: -kv[1]):
@@ -235,7 +237,7 @@ def _trace_summary(path: Path, json_out: bool) -> None:
 
 
 def _inspect_request(path: Path, seq_id: int, json_out: bool) -> None:
-    from ..trace import explain_request
+    from ..run.analysis import explain_request
     from ..views.inspect import render_request
 
     reader = _reader(path)
@@ -256,9 +258,9 @@ def _inspect_prompts(
     limit: int | None,
     json_out: bool,
 ) -> None:
-    from ..divergence import annotate_prompts  # where each prompt parts from an earlier one
-    from ..prompts import map_prompt_blocks
+    from ..run.divergence import annotate_prompts  # where each prompt parts from an earlier one
     from ..views.inspect import render_prompt_map
+    from ..workload.prompts import map_prompt_blocks
 
     pf = read_prompts(path, fmt, limit)
     encoder = PromptEncoder(model, chat, max_prompt_tokens=DRY_RUN_CACHE_TOKENS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -41,6 +42,15 @@ JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON instead of text.")
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback of errors.")]
+HtmlOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--html",
+        help="Also write the results as one HTML page with charts, to open offline (no "
+        "network: everything is in the file).",
+        show_default=False,
+    ),
+]
 
 
 def parse_int_list(value: str, flag: str, minimum: int = 1) -> list[int]:
@@ -147,8 +157,8 @@ def _check_fits(need: int, what: str, flag: str) -> None:
 
 
 def _memory_free() -> int | None:
-    """Bytes this process may still allocate (see engine/memory.py), or None if unknown."""
-    from ..engine.memory import host_memory_limit
+    """Bytes this process may still allocate (see engine/runner/memory.py), or None if unknown."""
+    from ..engine.runner.memory import host_memory_limit
 
     limit = host_memory_limit()
     return None if limit is None else limit.free

@@ -17,7 +17,7 @@ def stderr_console() -> Console:
 
 
 def print_json(obj: Any) -> None:
-    from ..report import json_text  # NaN and infinities as null: JSON has neither
+    from ..run.stats import json_text  # NaN and infinities as null: JSON has neither
 
     sys.stdout.write(json_text(obj))
     sys.stdout.flush()

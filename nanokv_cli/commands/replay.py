@@ -1,5 +1,5 @@
 """``nanokv replay``: replay a prompt file or request trace (on the model, or dry runs over a
-grid of cache layouts, or a fleet what-if) and print the reports (``nanokv_cli.replay``
+grid of cache layouts, or a fleet what-if) and print the reports (``nanokv_cli.whatif.replay``
 runs them)."""
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from typing import Annotated, Any
 import typer
 
 from ..engine.sampling_params import SamplingParams
-from ..fleet import RouterName
-from ..fleet_report import FleetOptionError, check_fleet_options
-from ..paths import check_model_path, check_outputs, model_inputs
-from ..prompts import FORMATS, read_prompts
-from ..replay import (
+from ..paths import check_model_path, check_outputs, model_inputs, write_atomic
+from ..whatif.fleet import RouterName
+from ..whatif.fleet_report import FleetOptionError, check_fleet_options
+from ..whatif.replay import (
     DRY_RUN_CACHE_TOKENS,
     ReplayInterrupted,
     ReplayPlan,
@@ -24,6 +23,7 @@ from ..replay import (
     model_run,
     write_report,
 )
+from ..workload.prompts import FORMATS, read_prompts
 from .engine_options import EngineFlags, engine_options
 from .errors import user_errors
 from .models import make_llm
@@ -32,6 +32,7 @@ from .options import (
     DEFAULT_BLOCK_SIZE,
     ChatOpt,
     DebugOpt,
+    HtmlOpt,
     JsonOpt,
     LiveOpt,
     ModelOpt,
@@ -134,6 +135,7 @@ def replay_cmd(
     report: ReportOpt = None,
     record: RecordOpt = None,
     per_request: PerRequestOpt = None,
+    html: HtmlOpt = None,
     instances: InstancesOpt = 1,
     router: RouterOpt = None,
     debug: DebugOpt = False,
@@ -176,20 +178,25 @@ def replay_cmd(
     with user_errors(debug):
         check_model_path(model)
         outputs = {"--report": report, "--record": record, "--per-request": per_request}
+        outputs["--html"] = _html_option(html, dry_run, fleet)
         check_outputs(outputs, inputs=[file, *model_inputs(model)])  # before the run
         pf = read_prompts(file, fmt, limit)
+        if dry_run:  # a model run's line comes with its model (make_llm)
+            print(_dry_run_cache_line(plan, instances), file=sys.stderr, flush=True)
         if fleet:
             _print_fleet(fleet_what_if(pf, plan, instances, router), json_out, report)
             return
+        interrupted = False
         try:
             reports = _replay(pf, plan, dry_run)
-        except ReplayInterrupted as e:
-            if report is not None:
-                write_report(report, e.reports, plan.several)
-            raise KeyboardInterrupt from None
+        except ReplayInterrupted as e:  # what had finished, summed up as a whole run's is
+            reports, interrupted = e.reports, True
         _print_reports(reports, plan.several, json_out)  # first: a failed write keeps the summary
         if report is not None:
             write_report(report, reports, plan.several)
+        _write_html(html, reports)
+        if interrupted:
+            raise KeyboardInterrupt
 
 
 def _check_plan(
@@ -226,6 +233,43 @@ def _check_plan(
     if fleet:  # the default cache too: a fleet of them can be as big as any given
         check_fleet_memory(instances, plan.grid[0][1], blocks_given=bool(sizes))
     return fleet
+
+
+def _html_option(html: Path | None, dry_run: bool, fleet: bool) -> Path | None:
+    """``--html``, which draws the comparison grid of dry runs: a usage error elsewhere."""
+    if html is not None and (not dry_run or fleet):
+        raise typer.BadParameter(
+            "draws the grid of a dry run: give --dry-run (and no --instances or --router)",
+            param_hint="--html",
+        )
+    return html
+
+
+def _write_html(html: Path | None, reports: list[dict[str, Any]]) -> None:
+    """The dry runs' reports as one HTML page (``views/pages.py``), if ``--html`` asks."""
+    if html is not None:
+        from ..views.pages import replay_html
+
+        write_atomic(html, replay_html(reports).encode("utf-8"), "--html")
+
+
+def _dry_run_cache_line(plan: ReplayPlan, instances: int) -> str:
+    """The KV cache a dry run (or each of a grid's) accounts for, in one line, as model runs
+    say theirs at start-up."""
+    grid = plan.grid
+    source = (
+        "--num-blocks" if plan.sizes else f"the dry-run default of {DRY_RUN_CACHE_TOKENS:,} tokens"
+    )
+    if len(grid) == 1:
+        bs, n = grid[0]
+        fleet, each = (f"{instances:,} instances of ", " each") if instances > 1 else ("", "")
+        sizes = f"KV cache {fleet}{n:,} blocks × {bs:,} tokens = {n * bs:,} tokens{each}"
+    else:
+        tokens = {bs * n for bs, n in grid}
+        each = f"; {tokens.pop():,} tokens each" if len(tokens) == 1 else ""
+        pairs = ", ".join(f"{n:,} × {bs:,}" for bs, n in grid)
+        sizes = f"KV caches of {len(grid)} dry runs: {pairs} (blocks × tokens{each})"
+    return f"nanokv: {sizes}, accounting only (no memory), from {source}"
 
 
 def _replay(pf, plan: ReplayPlan, dry_run: bool) -> list[dict[str, Any]]:

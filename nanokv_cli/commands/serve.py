@@ -11,6 +11,7 @@ import typer
 from ..engine.config import EngineConfig
 from ..kv_events import KVEventsConfig, parse_kv_events_config
 from ..paths import check_model_path, check_outputs, model_inputs
+from ..serve.limits import ServeLimits
 from .engine_options import EngineFlags, engine_options
 from .errors import user_errors
 from .models import make_llm
@@ -18,7 +19,7 @@ from .options import DEFAULT_MAX_TOKENS, DebugOpt, LiveOpt, ModelOpt, RequestMax
 from .output import stdout_console
 
 # serve's step latency target (ms): the shortest that keeps 90% of the fixed budget's tokens/s
-# in bench_serve.py's burst on a 2-core CPU (60 ms: 71%, 100 ms: 83%, 200 ms: 97%), and a burst
+# in scripts/bench/serve.py's burst on a 2-core CPU (60 ms: 71%, 100 ms: 83%, 200 ms: 97%), and a burst
 # then slows running streams (longest wait 0.4 s) instead of freezing them (3.5 s).
 SERVE_STEP_LATENCY_MS = 200.0
 
@@ -76,7 +77,8 @@ ShutdownOpt = Annotated[
         min=0.0, help="Seconds SIGTERM waits for in-flight requests before aborting them."
     ),
 ]
-# The limits' defaults are serve.ServeLimits' (the serve package loads FastAPI: not at start-up).
+# The limits' defaults are ServeLimits' own (declared once, in serve/limits.py).
+DEFAULT_LIMITS = ServeLimits()
 ConcurrencyOpt = Annotated[
     int,
     typer.Option(
@@ -141,11 +143,11 @@ def serve_cmd(
     record: RecordOpt = None,
     report: ReportOpt = None,
     shutdown_timeout: ShutdownOpt = 30.0,
-    limit_concurrency: ConcurrencyOpt = 512,
-    limit_connections: ConnectionsOpt = None,
-    timeout_keep_alive: KeepAliveOpt = 5.0,
-    timeout_header: HeaderTimeoutOpt = 10.0,
-    timeout_body: BodyTimeoutOpt = 30.0,
+    limit_concurrency: ConcurrencyOpt = DEFAULT_LIMITS.limit_concurrency,
+    limit_connections: ConnectionsOpt = DEFAULT_LIMITS.limit_connections,
+    timeout_keep_alive: KeepAliveOpt = DEFAULT_LIMITS.timeout_keep_alive,
+    timeout_header: HeaderTimeoutOpt = DEFAULT_LIMITS.timeout_header,
+    timeout_body: BodyTimeoutOpt = DEFAULT_LIMITS.timeout_body,
     kv_events_config: KvEventsOpt = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -165,7 +167,7 @@ def serve_cmd(
     NANOKV_API_KEY=secret nanokv serve --host 0.0.0.0
     ```
     """
-    from ..engine.loader import DEFAULT_MODEL_FILE
+    from ..engine.model.loader import DEFAULT_MODEL_FILE
 
     engine_config = engine.config()
     if api_key is not None and not api_key.strip():
@@ -180,7 +182,7 @@ def serve_cmd(
     with user_errors(debug):
         check_model_path(model)
         check_outputs({"--report": report, "--record": record}, inputs=model_inputs(model))
-        from ..serve import ServeLimits, bind_socket, serve
+        from ..serve.server import bind_socket, serve
         from ..views.tables import summary_table
 
         sock = bind_socket(host, port)  # before loading: a taken port fails at once
@@ -214,8 +216,6 @@ def _run_config(llm, engine_config: EngineConfig) -> dict[str, Any]:
     return {
         "model": llm.model_path,
         "dry_run": False,
-        "block_size": llm.engine.block_size,
-        "prefix_caching": engine_config.enable_prefix_caching,
-        "prefix_match": engine_config.prefix_match,
+        **engine_config.describe(),
         "quantization": llm.quantization or "none",
     }

@@ -1,4 +1,4 @@
-"""``nanokv top``: running servers' KV caches, live (``nanokv_cli.top`` reads them)."""
+"""``nanokv top``: running servers' KV caches, live (``nanokv_cli.serve.top`` reads them)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def top_cmd(
     nanokv top localhost:8000 --once --json
     ```
     """
-    from .. import top as topping
+    from ..serve import top as topping
     from ..views.top import Frames, watch
 
     if json_out and not once:

@@ -6,13 +6,16 @@ stands for the whole prefix up to and including it), so a later request with the
 maps the same physical blocks instead of recomputing them.
 
 Reuse is token-granular by default (``prefix_match="token"``): after the last full-block hit,
-the block that continues the same prefix (the newest one whose content follows the same parent
-hash and starts with the same token: a registered block, a running sequence's last block, or
-the last block a finished one left in the free queue) lends the longest run of leading tokens
-it shares with the prompt's next block. Their K/V are copied into the fresh block the sequence
-gets (``Sequence.kv_copy``; the runner copies before the step's forward pass). Causal attention
-makes those K/V the ones the sequence would compute. ``prefix_match="block"`` is the seed's
-whole-block reuse, exactly.
+a block that continues the same prefix (one whose content follows the same parent hash and
+starts with the same token: a registered block, a running sequence's last block, or the last
+block a finished one left in the free queue) lends the longest run of leading tokens it shares
+with the prompt's next block. Their K/V are copied into the fresh block the sequence gets
+(``Sequence.kv_copy``; the runner copies before the step's forward pass). The newest few such
+blocks are kept per prefix (``CONTINUATIONS_KEPT``), and the one with the most computed tokens
+in common lends them: the newest is often a sequence still running that parts from the prompt
+early, while a finished one in the free queue holds all of it. Causal attention makes those
+K/V the ones the sequence would compute. ``prefix_match="block"`` is the seed's whole-block
+reuse, exactly.
 
 Each change does whatever may raise before it touches the books, and announces itself (one
 event) only once they balance. So an exception at any call, KeyboardInterrupt included, leaves
@@ -22,15 +25,11 @@ sequence's set of blocks, which the scheduler's ``recover`` completes or undoes.
 
 from __future__ import annotations
 
-import sys
-from array import array
-
-import numpy as np
-import xxhash
-
-from .blocks import Block, FreeBlockQueue, common_prefix, same_tokens
-from .cache_stats import MISS_REASONS, CacheStats
-from .events import (
+from .config import PREFIX_MATCH_MODES
+from .core import tier_hits
+from .core.blocks import Block, FreeBlockQueue, common_prefix, hash_block_tokens, same_tokens
+from .core.cache_stats import MISS_REASONS, CacheStats
+from .core.events import (
     AllBlocksCleared,
     BlockAllocated,
     BlockCopied,
@@ -41,10 +40,10 @@ from .events import (
     CacheLookup,
     EventListener,
 )
-from .miss_reasons import MissExplainer, continuation_key
+from .core.miss_reasons import CONTINUATIONS_KEPT, MissExplainer, continuation_key
 from .sequence import Sequence
+from .tiers.books import TierBooks
 
-_LITTLE_ENDIAN = sys.byteorder == "little"
 # Re-exported: the blocks, the free queue and the statistics have files of their own.
 __all__ = [
     "MISS_REASONS",
@@ -63,7 +62,6 @@ __all__ = [
 MIN_WAIT_TOKENS = 16
 # How far reuse reaches: "token" (the shared tokens of a prompt's first block past its
 # full-block hits are copied) or "block" (whole blocks only, the seed's semantics).
-PREFIX_MATCH_MODES = ("token", "block")
 
 
 class BlockManager:
@@ -74,6 +72,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         on_event: EventListener | None = None,
         prefix_match: str = "token",
+        tier: TierBooks | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
@@ -95,10 +94,11 @@ class BlockManager:
         # Older copies of a registered hash (the newest serves it): they still hold the
         # content, so it leaves the cache, an eviction, only when the last copy is reused.
         self._duplicates: dict[int, list[int]] = {}
-        # continuation_key(parent hash, first token) -> the newest block whose content continues that
-        # prefix with that token: where a token-granular lookup looks (one candidate: a bounded
-        # search). Entries leave when their block is taken for new data.
-        self._tails: dict[int, int] = {}
+        # continuation_key(parent hash, first token) -> the newest blocks (at most
+        # CONTINUATIONS_KEPT, oldest first) whose content continues that prefix with that token:
+        # where a token-granular lookup looks (a bounded search). Each block is filed under its
+        # tail_key; it leaves when it is taken for new data or pushed out by newer ones.
+        self._tails: dict[int, list[int]] = {}
         self.stats = CacheStats()
         self.num_cached_free_blocks = 0  # free blocks still holding a hash (reusable until evicted)
         # Called with every event; None (or an empty EventBus) costs one truth test per change.
@@ -106,6 +106,7 @@ class BlockManager:
         # The engine's step number, for the record of when a hash was evicted.
         self.step = 0
         self._explainer = MissExplainer(block_size, num_blocks)
+        self.tier = tier  # the second tier's books (kv_tier; core/tier_hits.py), or None
 
     @property
     def num_blocks(self) -> int:
@@ -113,21 +114,15 @@ class BlockManager:
 
     @classmethod
     def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
-        h = xxhash.xxh64()
-        if prefix != -1:
-            h.update(prefix.to_bytes(8, "little"))
-        if isinstance(token_ids, array) and token_ids.typecode == "q" and _LITTLE_ENDIAN:
-            h.update(token_ids)  # already little-endian int64 bytes: no conversion
-        else:
-            h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-        return h.intdigest()
+        """The seed's name for ``hash_block_tokens``, which outside users call."""
+        return hash_block_tokens(token_ids, prefix)
 
     def _block_hash(self, seq: Sequence, i: int) -> int:
         """Chained hash of full block ``i`` of ``seq``, memoized on the sequence."""
         hashes = seq.block_hashes
         while len(hashes) <= i:
             j = len(hashes)
-            hashes.append(self.compute_hash(seq.block(j), hashes[j - 1] if j else -1))
+            hashes.append(hash_block_tokens(seq.block(j), hashes[j - 1] if j else -1))
         return hashes[i]
 
     def _lookup(self, seq: Sequence, i: int) -> int:
@@ -182,42 +177,49 @@ class BlockManager:
 
     def _gain_by_waiting(self, seq: Sequence, i: int) -> int:
         """The shared tokens of block ``i`` of ``seq`` that a sequence mid-prefill has yet to
-        compute: what waiting for it would add to a copy (0 if none is filling it)."""
-        source, shared = self._copy_source(seq, i)
-        owner = self.blocks[source].owner if source != -1 else None
-        if owner is None or not owner.is_prefill:
-            return 0
-        return max(0, shared - (owner.num_cached_tokens - self.blocks[source].start))
+        compute: what waiting for it would add to the best copy now (0 if none is filling)."""
+        now = later = 0
+        for source, shared, computed in self._sources(seq, i):
+            now = max(now, computed)
+            owner = self.blocks[source].owner
+            if owner is not None and owner.is_prefill:
+                later = max(later, shared)
+        return max(0, later - now)
 
-    def _copy_source(self, seq: Sequence, i: int) -> tuple[int, int]:
-        """The block that continues ``seq``'s prefix before its block ``i`` and the tokens of
-        block ``i`` it shares (all but the prompt's last token at most), or ``(-1, 0)``. What
-        the source holds may not all be computed yet: see ``_copyable``."""
+    def _sources(self, seq: Sequence, i: int) -> list[tuple[int, int, int]]:
+        """Each block that continues ``seq``'s prefix before its block ``i``, as ``(block, tokens
+        of block i it shares, of them computed)``: all but the prompt's last token at most; a
+        source still being filled may share tokens whose K/V are not computed yet."""
         bs = self.block_size
         start = i * bs
         limit = min(bs, seq.num_tokens - 1 - start)
         if limit <= 0:
-            return -1, 0
+            return []
         parent = self._block_hash(seq, i - 1) if i else -1
-        source = self._tails.get(continuation_key(parent, seq.token_ids[start]), -1)
-        if source == -1 or self.blocks[source].parent != parent:
-            return -1, 0
-        block = self.blocks[source]
-        theirs = block.token_ids if block.owner is None else block.owner.token_ids
-        offset = 0 if block.owner is None else block.start
-        n = common_prefix(theirs, offset, seq.token_ids, start, limit)
-        return (source, n) if n else (-1, 0)
+        found = []
+        for source in self._tails.get(continuation_key(parent, seq.token_ids[start]), ()):
+            block = self.blocks[source]
+            if block.parent != parent:  # a key collision
+                continue
+            owner = block.owner
+            if owner is None:
+                n = common_prefix(block.token_ids, 0, seq.token_ids, start, limit)
+                computed = n
+            else:
+                n = common_prefix(owner.token_ids, block.start, seq.token_ids, start, limit)
+                computed = max(0, min(n, owner.num_cached_tokens - block.start))
+            if n:
+                found.append((source, n, computed))
+        return found
 
     def _copyable(self, seq: Sequence, i: int) -> tuple[int, int]:
-        """``_copy_source``, cut to the tokens whose K/V are computed."""
-        source, n = self._copy_source(seq, i)
-        if source != -1:
-            block = self.blocks[source]
-            if block.owner is not None:
-                n = min(n, block.owner.num_cached_tokens - block.start)
-            if n <= 0:
-                return -1, 0
-        return source, n
+        """The source of the most computed tokens of block ``i`` of ``seq`` (the newest among
+        equals) and how many, or ``(-1, 0)``."""
+        best, most = -1, 0
+        for source, _, computed in reversed(self._sources(seq, i)):
+            if computed > most:
+                best, most = source, computed
+        return best, most
 
     def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
         """Admit ``seq``: its first ``num_cached_blocks`` blocks from the prefix cache (as
@@ -230,18 +232,20 @@ class BlockManager:
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         bs = self.block_size
         first = seq.num_prefix_hit_tokens < 0
-        source, copied = self._copyable(seq, num_cached_blocks) if self._copies else (-1, 0)
-        reason, evicted_at, partial = self._explainer.explain(
-            self, seq, num_cached_blocks, first, copied
-        )
+        # Past the cache's own hits, the run the second tier holds, fetched before anything
+        # is counted (a block the tier cannot give back is a miss).
+        fetched = tier_hits.restorable(self, seq, num_cached_blocks) if self.tier else []
+        k = num_cached_blocks + len(fetched)
+        source, copied = self._copyable(seq, k) if self._copies else (-1, 0)
+        reason, evicted_at, partial = self._explainer.explain(self, seq, k, first, copied)
         hit_ids = [self._lookup(seq, i) for i in range(num_cached_blocks)]
         assert -1 not in hit_ids, (
             "allocate() was given more cached blocks than can_allocate() found"
         )
         shared = bs * sum(1 for b in hit_ids if self.blocks[b].ref_count)
         revived = bs * num_cached_blocks - shared
-        self._count_lookup(seq, first, shared, revived, copied, reason)
-        seq.num_cached_tokens = num_cached_blocks * bs + copied
+        self._count_lookup(seq, first, shared, revived, copied, reason, bs * len(fetched))
+        seq.num_cached_tokens = k * bs + copied
         seq.kv_copy = None
         if self.on_event:
             self.on_event(
@@ -251,7 +255,7 @@ class BlockManager:
                     seq.num_cached_tokens,
                     first,
                     reason,
-                    num_cached_blocks,
+                    k,
                     evicted_at,
                     partial,
                 )
@@ -271,20 +275,22 @@ class BlockManager:
             table.append(block_id)
             if emit:
                 emit(BlockHit(seq.seq_id, block_id, block.hash, kind))
-        for _ in range(num_cached_blocks, seq.num_blocks):
+        for i, handle in enumerate(fetched, num_cached_blocks):
+            tier_hits.restore(self, seq, i, handle)
+        for _ in range(k, seq.num_blocks):
             self._allocate_free_block(seq)
         if copied:
             # The copy runs before the step's forward pass, before anything this step writes:
             # a source taken for new data in this very step (even as this destination) still
             # holds its K/V then, so it needs no pin.
-            target = table[num_cached_blocks]
+            target = table[k]
             seq.kv_copy = (source, target, copied)
             if emit:
                 emit(BlockCopied(seq.seq_id, target, source, copied))
         if self.enable_prefix_caching:
             if self._copies:
                 self._own_tail(seq)
-            self._explainer.admitted(self, seq, num_cached_blocks)
+            self._explainer.admitted(self, seq, k)
 
     def _own_tail(self, seq: Sequence) -> None:
         """Offer ``seq``'s last block, if the prompt fills it only in part, as a copy source
@@ -300,18 +306,49 @@ class BlockManager:
 
     def _withdraw(self, block: Block) -> None:
         """``block`` stops being a copy source."""
-        if block.tail_key:
-            if self._tails.get(block.tail_key) == block.block_id:
-                del self._tails[block.tail_key]
+        key = block.tail_key
+        if key:
+            sources = self._tails.get(key, ())
+            if block.block_id in sources:  # not filed if an interrupt cut _offer short
+                if len(sources) == 1:  # one change either way: no empty list left behind
+                    del self._tails[key]
+                else:
+                    sources.remove(block.block_id)
             block.tail_key = 0
 
     def _offer(self, block: Block, first_token: int) -> None:
+        """File ``block`` as the newest copy source for its prefix and first token."""
+        if block.tail_key:  # offered again (full now, registered): it moves to the newest
+            self._withdraw(block)
         key = continuation_key(block.parent, first_token)
+        # The key first: a block filed under a key it does not carry could never leave.
         block.tail_key = key
-        self._tails[key] = block.block_id
+        sources = self._tails.get(key)
+        if sources is None:
+            self._tails[key] = [block.block_id]
+        else:
+            sources.append(block.block_id)
+            if len(sources) > CONTINUATIONS_KEPT:
+                self._push_out(sources)
+
+    def _push_out(self, sources: list[int]) -> None:
+        """Drop one source of a full set: the oldest, unless it is the newest one no sequence
+        is filling any more (a finished prompt's tail: what a repeat of that prompt needs,
+        which sequences running with the same prefix would otherwise push out)."""
+        blocks = self.blocks
+        settled = [j for j, b in enumerate(sources) if blocks[b].owner is None]
+        victim = 1 if settled and settled[-1] == 0 else 0
+        blocks[sources.pop(victim)].tail_key = 0
 
     def _count_lookup(
-        self, seq: Sequence, first: bool, shared: int, revived: int, copied: int, reason: str
+        self,
+        seq: Sequence,
+        first: bool,
+        shared: int,
+        revived: int,
+        copied: int,
+        reason: str,
+        restored: int = 0,
     ) -> None:
         stats = self.stats
         if first:
@@ -319,13 +356,16 @@ class BlockManager:
             stats.shared_hits += shared
             stats.revived_hits += revived
             stats.copied_hits += copied
-            seq.num_prefix_hit_tokens = shared + revived + copied
+            stats.restored_hits += restored
+            seq.num_prefix_hit_tokens = shared + revived + copied + restored
+            seq.num_prefix_restored_tokens = restored
         else:
             stats.readmission_queries += seq.num_tokens
             stats.readmission_shared_hits += shared
             stats.readmission_revived_hits += revived
             stats.readmission_copied_hits += copied
-        stats.miss_tokens[reason] += seq.num_tokens - shared - revived - copied
+            stats.readmission_restored_hits += restored
+        stats.miss_tokens[reason] += seq.num_tokens - shared - revived - copied - restored
 
     def _allocate_free_block(self, seq: Sequence) -> None:
         free = self.free_block_ids
@@ -336,6 +376,8 @@ class BlockManager:
         block_id = free.popleft()  # first: if it raises, nothing has changed
         block = self.blocks[block_id]
         self._withdraw(block)  # a copy source: its content is about to be overwritten
+        if self.tier is not None:
+            self.tier.cancel(block_id)  # a restore not yet written would overwrite new data
         block.reset()
         self.used_block_ids.add(block_id)
         seq.block_table.append(block_id)
@@ -348,7 +390,7 @@ class BlockManager:
         newest remaining copy); otherwise the content leaves the cache: an eviction, a change
         of its own, announced before the block is taken (one event per change, so a listener
         that raises cannot leave another listener with half of one)."""
-        h = block.hash
+        h, token_ids = block.hash, block.token_ids
         block.hash = -1
         block.token_ids = []
         self._withdraw(block)
@@ -367,6 +409,8 @@ class BlockManager:
         self._explainer.evicted(h, self.step)
         if self.on_event:
             self.on_event(BlockRemoved(block.block_id, h))
+        if self.tier is not None:  # its K/V are still in the block: nothing overwrote them
+            tier_hits.to_tier(self, block.block_id, h, token_ids)
 
     def deallocate(self, seq: Sequence) -> None:
         """Let go of ``seq``'s blocks, last first. Each block leaves the table once its books
@@ -475,8 +519,24 @@ class BlockManager:
         self._tails.clear()
         self.num_cached_free_blocks = 0
         self._explainer.cleared()
+        if self.tier is not None:
+            self.tier.clear()
         if self.on_event:
             self.on_event(AllBlocksCleared())
+
+    def _check_sources(self) -> None:
+        """Each copy source is filed once, under the key it carries, and holds something. (A
+        block may carry a key it is not filed under, if an interrupt cut ``_offer`` short:
+        harmless, it is simply no source.)"""
+        for key, sources in self._tails.items():
+            assert 0 < len(sources) <= CONTINUATIONS_KEPT, f"key {key}: {len(sources)} sources"
+            assert len(set(sources)) == len(sources), f"key {key} files a block twice"
+            for b in sources:
+                block = self.blocks[b]
+                assert block.tail_key == key, f"copy source {b} is filed under another key"
+                assert block.hash != -1 or block.owner is not None or block.token_ids, (
+                    f"copy source {b} holds nothing"
+                )
 
     def check_invariants(self, live_seqs: list[Sequence] | None = None) -> None:
         """Assert the books balance. With ``live_seqs``, ref counts must equal table membership."""
@@ -503,12 +563,9 @@ class BlockManager:
         assert hashed == len(self.hash_to_block_id) + copies, (
             "a hashed block the prefix cache cannot reach"
         )
-        for key, b in self._tails.items():
-            block = self.blocks[b]
-            assert block.tail_key == key, f"copy source {b} is filed under another key"
-            assert block.hash != -1 or block.owner is not None or block.token_ids, (
-                f"copy source {b} holds nothing"
-            )
+        self._check_sources()
+        if self.tier is not None:
+            self.tier.check()
         s = self.stats
         assert s.hits <= s.queries and s.readmission_hits <= s.readmission_queries, s
         misses = s.queries - s.hits + s.readmission_queries - s.readmission_hits

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
+# No torch there either: the tier's spelling and its default restore speeds.
+from .tiers.spec import TIER_BANDWIDTH_GBPS, TierSpec, parse_tier
+
 # Hugging Face `architectures[0]` -> our family name.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -180,7 +183,6 @@ def _or_default(value: Any, default: Any) -> Any:
     return default if value is None or value == 0 else value
 
 
-
 def check_special_ids(ids: list[Any], vocab_size: int) -> None:
     """BOS and EOS ids must name rows of the embedding: an EOS past them could never be
     sampled, so generation would never stop on it, silently."""
@@ -250,7 +252,7 @@ def _flag(flag: str, help: str, **more: Any) -> dict[str, Any]:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-PREFIX_MATCH_MODES = ("token", "block")  # block_manager.PREFIX_MATCH_MODES
+PREFIX_MATCH_MODES = ("token", "block")  # what BlockManager reuses: any token, or whole blocks
 # run_plan.choose_attention: paged-c is the CPU's C kernel, triton our Triton kernel (CUDA, or
 # CPU under TRITON_INTERPRET=1), flash flash-attn's (CUDA), sdpa torch's (anywhere).
 ATTENTION_BACKENDS = ("auto", "triton", "flash", "sdpa", "paged-c")
@@ -269,6 +271,11 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise ValueError(f"the size must be positive, got {text!r}")
     return size
+
+
+def _tier_spelling(text: str) -> str:
+    """A ``--kv-tier`` value, checked and spelled one way (``disk:PATH:8GiB``)."""
+    return str(parse_tier(text))
 
 
 def parse_device(text: str) -> str:
@@ -291,7 +298,7 @@ class EngineConfig:
     block_size: int = field(
         default=256, metadata=_flag("--block-size", "Tokens per KV block.", min=1)
     )
-    # None: sized from kv_cache_memory, else from free memory
+    # None: sized from kv_cache_memory, else by default (runner/kv_cache.py count_blocks)
     num_blocks: int | None = field(
         default=None, metadata=_flag("--num-blocks", "KV cache size in blocks.", min=1)
     )
@@ -320,6 +327,32 @@ class EngineConfig:
             "seed's accounting).",
             choices=PREFIX_MATCH_MODES,
             metavar="token|block",
+        ),
+    )
+    # A second cache tier (engine/tiers): blocks evicted from the device cache are kept there
+    # and restored instead of recomputed. None: no tier.
+    kv_tier: str | None = field(
+        default=None,
+        metadata=_flag(
+            "--kv-tier",
+            "A second KV cache tier: blocks evicted from the cache are kept there and restored "
+            "instead of recomputed. disk:PATH:SIZE (a file per model in directory PATH, kept "
+            "across restarts) or host:SIZE (CPU memory, CUDA only), e.g. disk:~/.cache/kv:8GiB.",
+            parse=_tier_spelling,
+            metavar="disk:PATH:SIZE|host:SIZE",
+        ),
+    )
+    # Restore speed, GB/s, in "restore only when it pays": a block is restored while its bytes
+    # take less time to read than its tokens to recompute. None: the medium's default.
+    kv_tier_bandwidth: float | None = field(
+        default=None,
+        metadata=_flag(
+            "--kv-tier-bandwidth",
+            "The tier's restore speed in GB/s: a block is restored only while reading it "
+            "takes less time than recomputing it (model runs measure their prefill speed; "
+            "dry runs take their cost model's).",
+            default_help=f"{TIER_BANDWIDTH_GBPS['disk']:g} for disk, "
+            f"{TIER_BANDWIDTH_GBPS['host']:g} for host (measured: scripts/BENCHMARKS.md)",
         ),
     )
     # -- scheduling
@@ -458,9 +491,38 @@ class EngineConfig:
             raise ValueError(
                 f"step_latency_target_ms must be a number of milliseconds >= 0, got {target!r}"
             )
+        self._check_tier()
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, Real) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+
+    def _check_tier(self) -> None:
+        if self.kv_tier is not None:
+            if not isinstance(self.kv_tier, str):
+                raise ValueError(
+                    f"kv_tier must be a string such as disk:PATH:SIZE, got {self.kv_tier!r}"
+                )
+            parse_tier(self.kv_tier)  # ValueError naming the spelling
+            if self.tensor_parallel_size > 1:
+                # Each rank holds a shard of every block: one tier file per rank is not built.
+                raise ValueError("kv_tier works with one rank only (tensor_parallel_size 1)")
+        bw = self.kv_tier_bandwidth
+        if bw is not None and (
+            isinstance(bw, bool) or not isinstance(bw, Real) or not 0 < bw < math.inf
+        ):
+            raise ValueError(f"kv_tier_bandwidth must be a number of GB/s above 0, got {bw!r}")
+
+    @property
+    def tier_spec(self) -> TierSpec | None:
+        """The tier ``kv_tier`` names, or None."""
+        return None if self.kv_tier is None else parse_tier(self.kv_tier)
+
+    def tier_bandwidth(self) -> float:
+        """The tier's restore speed in bytes per second: the setting, else its medium's."""
+        spec = self.tier_spec
+        if self.kv_tier_bandwidth is not None:
+            return self.kv_tier_bandwidth * 1e9
+        return TIER_BANDWIDTH_GBPS[spec.medium if spec else "disk"] * 1e9
 
     def thread_count(self) -> int:
         """The threads each rank computes with: ``threads``, else the CPUs this process may
@@ -473,6 +535,17 @@ class EngineConfig:
     def model_len(self, limit: int) -> int:
         """The longest sequence (prompt + output) admitted on a model of ``limit`` positions."""
         return min(self.max_model_len or limit, limit)
+
+    def describe(self) -> dict[str, Any]:
+        """The cache settings a run's report, trace header and what-if rows name it by."""
+        described: dict[str, Any] = {
+            "block_size": self.block_size,
+            "prefix_caching": self.enable_prefix_caching,
+            "prefix_match": self.prefix_match,
+        }
+        if self.kv_tier is not None:  # named only when set: rows without one read as before
+            described["kv_tier"] = self.kv_tier
+        return described
 
 
 def available_cpus() -> int:

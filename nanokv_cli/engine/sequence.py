@@ -55,6 +55,7 @@ class Sequence:
         # change, so the cache is never invalidated (only extended).
         self.block_hashes: list[int] = []
         self.num_prefix_hit_tokens = -1  # prompt tokens served from the cache at first admission
+        self.num_prefix_restored_tokens = 0  # ...of them, restored from the second tier (kv_tier)
         self.finish_reason: str | None = None
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens

@@ -30,33 +30,3 @@ strings), ``serving`` (``ServerState``: from a body to a response), ``middleware
 concurrency), ``app`` (routes: ``create_app``), ``uvicorn_server`` (uvicorn, bounded) and
 ``server`` (``bind_socket``, ``serve``).
 """
-
-from .app import create_app
-from .engine_loop import EngineLoop, ServeRequest
-from .json_body import MAX_BODY_BYTES, MAX_JSON_DEPTH, _nesting_depth
-from .limits import ServeLimits
-from .metrics import CACHE_COUNTERS, Metrics
-from .protocol import ApiError, ChatBody, CompletionBody
-from .server import ServeResult, bind_socket, serve, server_url
-from .serving import MAX_STOP_STRINGS, ServerState
-
-__all__ = [
-    "CACHE_COUNTERS",
-    "MAX_BODY_BYTES",
-    "MAX_JSON_DEPTH",
-    "MAX_STOP_STRINGS",
-    "ApiError",
-    "ChatBody",
-    "CompletionBody",
-    "EngineLoop",
-    "Metrics",
-    "ServeLimits",
-    "ServeRequest",
-    "ServeResult",
-    "ServerState",
-    "_nesting_depth",
-    "bind_socket",
-    "create_app",
-    "serve",
-    "server_url",
-]

@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..cache_stream import EVENTS_PATH, CacheStream, WatcherLimit
+from .cache_stream import EVENTS_PATH, CacheStream, WatcherLimit
 from .json_body import read_json_body
 from .limits import ServeLimits
 from .middleware import ApiKeyMiddleware, ConcurrencyLimit, TrailingSlash

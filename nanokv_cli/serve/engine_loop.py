@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..driver import Driver, Request, RequestQueue, Run
+from ..run.loop import IDLE_TICK_S, Driver, Request, RequestQueue
+from ..run.record import Run
 from .metrics import Metrics
 
 
@@ -58,6 +59,8 @@ class EngineLoop:
             on_added=self._added,
             on_rejected=self._rejected,
             on_aborted=self._aborted,
+            on_idle=self._idle,
+            idle_interval=IDLE_TICK_S,
         )
         self.thread = threading.Thread(target=self._main, name="nanokv-engine", daemon=True)
 
@@ -104,6 +107,10 @@ class EngineLoop:
         self.aborted.append(req)
         if req.ended_by is None:
             self._post(req, ("aborted", self.abort_reason))
+
+    def _idle(self) -> None:
+        if self.view is not None:
+            self.view.idle()
 
     def _main(self) -> None:
         try:

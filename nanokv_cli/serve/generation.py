@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
-from ..engine.tokenizer import IncrementalDecoder
+from ..engine.model.tokenizer import IncrementalDecoder
 from .engine_loop import EngineLoop, ServeRequest
 from .protocol import ApiError, ClientGone
 

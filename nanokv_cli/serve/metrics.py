@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as prometheus_text
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..engine.block_manager import MISS_REASONS
-from ..engine.events import AllBlocksCleared, BlockAllocated, BlockCopied, BlockHit
-from ..report import cache_numbers
+from ..engine.core.cache_stats import MISS_REASONS
+from ..engine.core.events import AllBlocksCleared, BlockAllocated, BlockCopied, BlockHit
+from ..run.stats import cache_numbers
 
 # Buckets as vLLM's.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -29,7 +29,8 @@ _RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
 # Where a prompt token's K/V came from, in vLLM's words: computed here, this engine's prefix
 # cache, or another engine (nanokv transfers none).
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-# Which tier served a cached prompt token (vLLM's sources; nanokv has the device cache alone).
+# Which tier served a cached prompt token (vLLM's sources): the device cache, or the second
+# tier (kv_tier: host or disk) its restored blocks came from.
 CACHED_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
 
 # report.cache_numbers() name -> (metric name, help). vLLM's names where the meaning is the same.
@@ -51,6 +52,11 @@ CACHE_COUNTERS = {
     "copied_hit_tokens": (
         "nanokv:prefix_cache_copied_hits",
         "Hit tokens whose K/V were copied from a cached block sharing their leading tokens.",
+    ),
+    "restored_hit_tokens": (
+        "nanokv:prefix_cache_restored_hits",
+        "Hit tokens whose blocks were restored from the second tier (--kv-tier) after the "
+        "cache evicted them.",
     ),
     "evictions": ("nanokv:prefix_cache_evictions", "Cached blocks whose hash was evicted."),
     "readmission_queries": (
@@ -74,8 +80,12 @@ class Metrics:
         num_blocks: int,
         snapshot: Callable[[], Any],
         cache_config: Mapping[str, Any] | None = None,
+        tier_medium: str | None = None,
     ) -> None:
-        """``cache_config``: the labels of ``vllm:cache_config_info`` (block size, ...)."""
+        """``cache_config``: the labels of ``vllm:cache_config_info`` (block size, ...).
+        ``tier_medium``: the second tier's (host or disk), whose restored tokens are counted
+        as that source of ``vllm:prompt_tokens_cached_by_source``."""
+        self.tier_medium = tier_medium
         self.model_name = model_name
         self.num_blocks = num_blocks
         self.snapshot = snapshot
@@ -166,7 +176,9 @@ class Metrics:
             prev = last.get(out.seq_id)
             if prev is None:
                 prompt += out.num_prompt_tokens
-                self._prompt_sources(out.num_prompt_tokens, out.num_cached_tokens)
+                self._prompt_sources(
+                    out.num_prompt_tokens, out.num_cached_tokens, out.num_restored_tokens
+                )
                 self.ttft.observe(out.first_token_time - out.arrival_time)
             else:
                 self.itl.observe(now - prev)
@@ -179,12 +191,15 @@ class Metrics:
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
 
-    def _prompt_sources(self, prompt: int, cached: int) -> None:
-        """A started request's prompt tokens, by source: they add up to ``vllm:prompt_tokens``."""
+    def _prompt_sources(self, prompt: int, cached: int, restored: int = 0) -> None:
+        """A started request's prompt tokens, by source: they add up to ``vllm:prompt_tokens``
+        (``restored``: of the cached, those the second tier held)."""
         self.by_source["local_compute"].inc(prompt - cached)
         self.by_source["local_cache_hit"].inc(cached)
         self.cached_tokens.inc(cached)
-        self.cached_by_source["device"].inc(cached)
+        self.cached_by_source["device"].inc(cached - restored)
+        if restored:
+            self.cached_by_source[self.tier_medium or "external_unspecified"].inc(restored)
         self.prefill_computed.observe(prompt - cached)
 
     def ended(self, seq_id: int, reason: str) -> None:
@@ -235,6 +250,12 @@ class Metrics:
         for state, n in (("used", used), ("cached", cached), ("free", free)):
             blocks.add_metric([self.model_name, state], n)
         yield blocks
+        if self.tier_medium is not None:
+            yield gauge(
+                "nanokv:kv_tier_blocks",
+                "Blocks the second tier (--kv-tier) holds: evicted from the cache, restorable.",
+                snap.tier_blocks if snap else 0,
+            )
         for key, (metric, doc) in CACHE_COUNTERS.items():
             c = CounterMetricFamily(metric, doc, labels=["model_name"])
             c.add_metric(name, numbers[key])

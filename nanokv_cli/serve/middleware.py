@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 
-from ..cache_stream import EVENTS_PATH
+from .cache_stream import EVENTS_PATH
 from .protocol import ApiError
 
 _PROBES = ("/health", "/metrics")  # never refused for load: monitoring must see an overload

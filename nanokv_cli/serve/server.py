@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..cache_stream import CacheRecorder, CacheStream
-from ..driver import EngineClock, Run, live_view
-from ..report import write_json_atomic
+from ..run.loop import EngineClock
+from ..run.record import Run
+from ..run.stats import write_json_atomic
+from ..views.live import live_view
 from .app import create_app
+from .cache_stream import CacheRecorder, CacheStream
 from .engine_loop import EngineLoop
 from .limits import ServeLimits
 from .metrics import Metrics
@@ -125,6 +127,7 @@ def serve(
             engine.num_blocks,
             lambda: run.stats.last,
             cache_config=cache_config_labels(llm, engine),
+            tier_medium=getattr(getattr(engine, "tier", None), "medium", None),
         )
         engine_loop = EngineLoop(engine, run, metrics)
         state = ServerState(
@@ -163,10 +166,12 @@ def cache_config_labels(llm, engine) -> dict[str, Any]:
     back end)."""
     plan = getattr(getattr(llm, "model_runner", None), "plan", None)
     dtype = getattr(plan, "kv_cache_dtype", None)
+    tier = getattr(engine, "tier", None)
     return {
         "block_size": engine.block_size,
         "num_gpu_blocks": engine.num_blocks,
-        "num_cpu_blocks": 0,  # no second tier
+        # vLLM's CPU offload blocks: a host tier's (a disk tier is no CPU memory).
+        "num_cpu_blocks": tier.capacity_blocks if tier and tier.medium == "host" else 0,
         "cache_dtype": "auto" if dtype is None else str(dtype).removeprefix("torch."),
         "enable_prefix_caching": engine.config.enable_prefix_caching,
         "prefix_caching_hash_algo": "xxhash",

@@ -13,10 +13,10 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..cache_stream import CacheStream
-from ..driver import QueueClosed
+from ..engine.model.tokenizer import TokenizerError
 from ..engine.sampling_params import SamplingParams
-from ..engine.tokenizer import TokenizerError
+from ..run.loop import QueueClosed
+from .cache_stream import CacheStream
 from .engine_loop import EngineLoop, ServeRequest
 from .generation import Generation, watch_disconnect
 from .metrics import Metrics

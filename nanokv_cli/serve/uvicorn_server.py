@@ -12,7 +12,7 @@ from collections.abc import Callable
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from ..cache_stream import EVENTS_PATH
+from .cache_stream import EVENTS_PATH
 from .limits import ServeLimits
 
 _log = logging.getLogger("uvicorn.error")  # uvicorn's handlers: the server's log, its format

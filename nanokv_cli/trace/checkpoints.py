@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.events import CacheState, StepSnapshot
+from ..engine.core.events import CacheState, StepSnapshot
 from .checks import _check_event
 from .format import TraceError, _reason, _short, _tokens
 from .prompts import PromptStore
@@ -79,8 +79,8 @@ class Checkpoints:
     def _resolve_sources(self, state: CacheState, sources: list) -> None:
         """Fill ``state.block_tokens`` from a checkpoint's block sources, synthesizing every
         recipe-made block in one batch (a cache can hold thousands of them)."""
-        from ..engine.mooncake import MOONCAKE_BLOCK_SIZE as M
-        from ..engine.mooncake import synthesize_tokens
+        from ..workload.mooncake import MOONCAKE_BLOCK_SIZE as M
+        from ..workload.mooncake import synthesize_tokens
 
         bs, n = self.file.block_size, self.file.num_blocks
         wanted: list[tuple[int, int, int]] = []  # block, start in the batch, its first id

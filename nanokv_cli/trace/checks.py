@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
-from ..engine.block_manager import MISS_REASONS
-from ..engine.events import CacheLookup, Event
-from ..engine.mooncake import SynthesizedPrompt
+from ..engine.core.cache_stats import MISS_REASONS
+from ..engine.core.events import CacheLookup, Event
 from ..engine.sequence import TOKEN_ID_RANGE
+from ..workload.mooncake import SynthesizedPrompt
 from .format import _CODES, _short
 
 

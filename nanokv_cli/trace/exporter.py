@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import IO, TYPE_CHECKING
 
-from ..engine.events import event_to_dict
+from ..engine.core.events import event_to_dict
 from ..kv_events import export_batches
 
 if TYPE_CHECKING:

@@ -34,22 +34,25 @@ import msgpack
 import numpy as np
 import zstandard
 
-from ..engine.events import (
+from ..engine.core.events import (
     AllBlocksCleared,
     BlockAllocated,
     BlockCopied,
     BlockFreed,
     BlockHit,
     BlockRemoved,
+    BlockRestored,
     BlockStored,
     CacheLookup,
     SequenceAdded,
     SequenceFinished,
     SequencePreempted,
     StepSnapshot,
+    TierRemoved,
+    TierStored,
 )
-from ..engine.mooncake import MAX_LINE_CHARS as MOONCAKE_LINE_CHARS
 from ..version import __version__
+from ..workload.mooncake import MAX_LINE_CHARS as MOONCAKE_LINE_CHARS
 
 TRACE_FORMAT = "nanokv-trace"
 TRACE_VERSION = 2
@@ -74,6 +77,9 @@ _CODES = (
     SequenceFinished,
     StepSnapshot,
     BlockCopied,  # appended: earlier traces hold none
+    BlockRestored,  # appended likewise (the second tier, kv_tier)
+    TierStored,
+    TierRemoved,
 )
 _CODE = {cls: i for i, cls in enumerate(_CODES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _CODES}

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..engine.events import CacheState, Event, SequenceAdded, StepSnapshot, event_from_dict
+from ..engine.core.events import CacheState, Event, SequenceAdded, StepSnapshot, event_from_dict
 from .budget import ViewBudget
 from .checks import _check_event, check_json_lists
 from .format import (

@@ -83,7 +83,7 @@ class PromptStore:
                 raise ValueError(f"the prompt of sequence {seq_id} is not whole int32 tokens")
             n = len(entry) // 4
         else:
-            from ..engine.mooncake import SynthesizedPrompt
+            from ..workload.mooncake import SynthesizedPrompt
 
             hash_ids = entry[1] if type(entry) is list and len(entry) == 4 else ()
             if isinstance(hash_ids, list) and len(hash_ids) > MAX_HASH_IDS:
@@ -109,7 +109,7 @@ class PromptStore:
         self.file.budget.spend_tokens(seq_id, self._prompt_len(entry))
         if isinstance(entry, bytes):
             return _tokens(entry), None
-        from ..engine.mooncake import SynthesizedPrompt
+        from ..workload.mooncake import SynthesizedPrompt
 
         return SynthesizedPrompt.from_recipe(entry)(), entry
 
@@ -127,7 +127,7 @@ class PromptStore:
         entry = self.block_of(seq_id, start, end)
         if isinstance(entry, bytes):
             return _tokens(entry[4 * start : 4 * end])
-        from ..engine.mooncake import MOONCAKE_BLOCK_SIZE, synthesize_tokens
+        from ..workload.mooncake import MOONCAKE_BLOCK_SIZE, synthesize_tokens
 
         _, hash_ids, _, vocab = entry
         lo, hi = start // MOONCAKE_BLOCK_SIZE, -(-end // MOONCAKE_BLOCK_SIZE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.events import BlockStored, Event, SequenceAdded, StepSnapshot
+from ..engine.core.events import BlockStored, Event, SequenceAdded, StepSnapshot
 from .checks import _check_event
 from .format import (
     _ADDED,

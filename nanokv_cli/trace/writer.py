@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import zstandard
 
-from ..engine.events import (
+from ..engine.core.events import (
     BlockAllocated,
     BlockFreed,
     BlockHit,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from rich.text import Span, Text
 
-from ..engine.events import CacheState
+from ..engine.core.events import CacheState
 
 FREE, CACHED, USED = ("·", "grey42"), ("▒", "blue"), ("█", "green")
 # Shared blocks, shaded by ref count: (upper bound of the band, style).

@@ -9,8 +9,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..engine.events import CacheState
-from ..report import miss_label
+from ..engine.core.events import CacheState
+from ..run.stats import miss_label
 from .blockmap import FREE, USED, block_cell, blocks_per_cell, legend, render_block_map, shared_cell
 
 
@@ -170,17 +170,17 @@ def render_prompt_map(
         table.add_column("prompt", no_wrap=True, overflow="ellipsis", max_width=40)
     for p in info["prompts"]:
         cells = Text()
-        hits = 0
         for block in p["blocks"]:
             if block["hash"] is None:
                 cells.append("▏", FREE[1])
                 continue
             glyph, style = USED if block["shared_by"] == 1 else shared_cell(block["shared_by"])
             if block["hit"]:
-                hits += bs
                 style = f"{style} underline"
             cells.append(glyph, style)
         why = Text(miss_label(p, bs), style="dim") if "miss_reason" in p else Text("")
+        # The lookup's own count, copied tokens included: what the headline's rate adds up.
+        hits = p["cached_tokens"]
         row = [str(p["index"]), f"{p['num_tokens']:,}", f"{hits:,}", cells, why]
         if texts is not None:
             row.append(repr(texts[p["index"]])[1:-1])
@@ -221,7 +221,7 @@ def divergence_table(rows: list[tuple[Any, dict[str, Any] | None]]) -> Renderabl
 def divergence_text(d: dict[str, Any], width: int = 40) -> Text:
     """A divergence record's two sides (``width`` characters each side of the mark at most),
     or what stands for them where there is no text."""
-    from ..divergence import marked
+    from ..run.divergence import marked
 
     sides = marked(d, width)
     if sides is None:
@@ -280,6 +280,12 @@ def render_request(info: dict[str, Any], block_size: int) -> RenderableType:
         n, hit = look["num_tokens"], look["cached_tokens"]
         text.append(f"\n{kind} at step {look['step']}: ", "bold")
         text.append(f"{hit:,} of {n:,} tokens from the prefix cache ({hit / n:.1%})\n")
+        restored = [b for b in look["blocks"] if b["hit"] == "restored"]
+        if restored:  # the second tier's share (kv_tier), named as the report names it
+            text.append(
+                f"  restored {len(restored) * block_size:,} tokens from {restored[0]['medium']}"
+                " (evicted earlier, read back instead of recomputed)\n"
+            )
         missed = False
         for i, b in enumerate(look["blocks"]):
             text.append(f"  block {i:>4} → {b['block_id']:>5}  ")
@@ -290,6 +296,9 @@ def render_request(info: dict[str, Any], block_size: int) -> RenderableType:
             elif b["hit"] == "revived":
                 text.append("hit, revived", "blue")
                 text.append(" from the free queue (cached, no one was using it)\n")
+            elif b["hit"] == "restored":
+                text.append(f"hit, restored from {b['medium']}", "magenta")
+                text.append(" (the second tier kept it when the cache evicted it)\n")
             elif b["hit"] == "copied":
                 text.append(f"hit, copied {b['num_tokens']:,} tokens", "cyan")
                 text.append(f" from block {b['source_block_id']} (same prefix), then ")

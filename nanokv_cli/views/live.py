@@ -9,7 +9,7 @@ promote them, so whole-heap collections follow (``scripts/BENCHMARKS.md``, "Live
 The driver calls ``tick()`` once per step, and a frame is drawn only when one is due: at most
 ``max_fps`` a second, and never more often than keeps drawing under ``budget`` (default 2%) of
 the elapsed time, however slow a frame is on this terminal (~2.5 ms at 120x40, so about 8
-frames a second). ``scripts/bench_live_view.py`` measures what the view costs a replay.
+frames a second). ``scripts/bench/live_view.py`` measures what the view costs a replay.
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
 from rich.text import Span, Text
 
-from ..engine.block_manager import MISS_REASONS
-from ..engine.events import (
+from ..engine.core.cache_stats import MISS_REASONS
+from ..engine.core.events import (
     CacheLookup,
     CacheState,
     Event,
@@ -35,6 +37,10 @@ from ..engine.events import (
     SequencePreempted,
     StepSnapshot,
 )
+
+if TYPE_CHECKING:
+    from ..engine.core.llm_engine import LLMEngine
+
 from .blockmap import blocks_per_cell, legend, render_block_map, shared_cell
 
 
@@ -78,6 +84,7 @@ class LiveView:
         self._live: Live | None = None
         self._started = time.perf_counter()
         self._ended: float | None = None  # set for the final frame
+        self._idle = False  # the engine ran out of work since the last step
 
     # -- listening ---------------------------------------------------------------------------
 
@@ -110,6 +117,15 @@ class LiveView:
 
     def tick(self) -> None:
         """Call once per engine step: draws a frame when one is due."""
+        self._idle = False
+        if time.perf_counter() >= self._next_frame:
+            self.refresh()
+
+    def idle(self) -> None:
+        """Call (from the engine's thread) while the engine has no work, again and again in real
+        time: draws the idle state when a frame is due. Without it the screen keeps the last
+        frame drawn, which the frame rate may have left steps behind, until the next request."""
+        self._idle = True
         if time.perf_counter() >= self._next_frame:
             self.refresh()
 
@@ -209,6 +225,8 @@ class LiveView:
         text.append(" · ")
         text.append(f"{s.num_cached_free_blocks:,} cached-free", "blue")
         text.append(f" · {s.num_free_blocks - s.num_cached_free_blocks:,} free")
+        if s.tier_blocks:  # the second tier (--kv-tier): evicted blocks it keeps
+            text.append(f" · {s.tier_blocks:,} in the tier", "magenta")
         text.append(
             f"     running {s.num_running} · waiting {s.num_waiting} · done {self.num_finished}{total}\n"
         )
@@ -218,7 +236,9 @@ class LiveView:
             text.append(f"hit rate {s.hits / s.queries:.1%}", "bold yellow")
             text.append(
                 f" (shared {s.shared_hits / s.queries:.1%} · revived {s.revived_hits / s.queries:.1%}"
-                f" · copied {s.copied_hits / s.queries:.1%} of {s.queries:,} tokens looked up)"
+                f" · copied {s.copied_hits / s.queries:.1%}"
+                + (f" · restored {s.restored_hits / s.queries:.1%}" if s.restored_hits else "")
+                + f" of {s.queries:,} tokens looked up)"
             )
         else:
             text.append("no lookups yet", "dim")
@@ -229,7 +249,9 @@ class LiveView:
             text.append(
                 f" · re-admissions: {s.readmission_hits:,} of {s.readmission_queries:,} tokens hit"
             )
-        if self._ended is None:
+        if self._idle and self._ended is None:
+            text.append("     idle", "dim")
+        elif self._ended is None:
             text.append(f"     {s.kind} step · {self._tokens_per_s():,.0f} tokens/s")
         else:  # the final frame: the run's own rate, not the last two seconds' (often none)
             elapsed = self._ended - self._started
@@ -319,3 +341,20 @@ def miss_text(miss_tokens: dict[str, int]) -> Text:
         text.append(reason, "magenta")
         text.append(f" {n:,} ({n / total:.0%})")
     return text
+
+
+@contextmanager
+def live_view(
+    engine: LLMEngine, console: Console | None = None, **options: Any
+) -> Iterator[LiveView]:
+    """The live cache view following ``engine``'s events; call its ``tick()`` once per step
+    from the engine's thread. Commands pass it to the request loop as an observer."""
+    view = LiveView(
+        engine.num_blocks, engine.block_size, console=console or Console(highlight=False), **options
+    )
+    unsubscribe = view.attach(engine.events)
+    try:
+        with view:
+            yield view
+    finally:
+        unsubscribe()

@@ -31,10 +31,9 @@ MISS_HELP = {
 
 def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     """The replay summary: volume, prefix cache, blocks, throughput and latency."""
-    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(justify="right", no_wrap=True)
-    table.add_column(style="dim")
+    if report.get("interrupted"):
+        title += " (interrupted: what ran until Ctrl-C)"
+    table = _label_value_table(title)
     r = report
     aborted = r.get("requests_aborted", 0)
     table.add_row(
@@ -42,7 +41,12 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
         f"{r['requests']:,}",
         f"of {r['requests_added']:,} added" + (f", {aborted:,} aborted" if aborted else ""),
     )
-    table.add_row("prompt tokens", f"{r['prompt_tokens']:,}", "of finished requests")
+    more = r.get("prompt_tokens_aborted", 0)
+    table.add_row(
+        "prompt tokens",
+        f"{r['prompt_tokens']:,}",
+        "of finished requests" + (f" ({more:,} more of aborted ones)" if more else ""),
+    )
     streamed = r.get("output_tokens_aborted", 0)
     table.add_row(
         "output tokens",
@@ -62,6 +66,14 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
             f"{r['shared_hit_tokens'] / hits:.0%} / {r['revived_hit_tokens'] / hits:.0%}"
             f" / {r.get('copied_hit_tokens', 0) / hits:.0%}",
             "of hits: block in use / freed block still cached / tokens copied from a block",
+        )
+    if "hit_rate_by_tier" in r:  # a second tier (--kv-tier): its share, by its JSON names
+        medium = next(k for k in r["hit_rate_by_tier"] if k != "device")
+        table.add_row(
+            f"  restored from {medium}",
+            _pct(r["hit_rate_by_tier"][medium]),
+            f"restored_hit_tokens {r['restored_hit_tokens']:,}: evicted blocks read back "
+            f"instead of recomputed; {r['tier_blocks']:,} blocks in the tier at the end",
         )
     if "infinite_cache_hit_rate" in r:
         table.add_row("  infinite cache", _pct(r["infinite_cache_hit_rate"]), "upper bound")
@@ -91,6 +103,13 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
     table.add_row("throughput", f"{r['output_throughput']:,.1f} tok/s", "output tokens")
     table.add_row("", f"{r['total_token_throughput']:,.1f} tok/s", "prompt + output")
     table.add_row("", f"{r['request_throughput']:,.2f} req/s", "")
+    for note in r.get("notes", ()):
+        table.add_row("note", "", note)
+    _latency_rows(table, r)
+    return table
+
+
+def _latency_rows(table: Table, r: dict[str, Any]) -> None:
     latencies = (
         ("ttft_s", "time to first token"),
         ("itl_s", "inter-token latency"),
@@ -103,7 +122,6 @@ def summary_table(report: dict[str, Any], title: str = "Summary") -> Table:
             p = r[key]
             spread = f"mean {_ms(p['mean'])} · p90 {_ms(p['p90'])} · p99 {_ms(p['p99'])}"
             table.add_row(label, f"p50 {_ms(p['p50'])}", spread)
-    return table
 
 
 def comparison_table(reports: list[dict[str, Any]]) -> Table:
@@ -122,10 +140,12 @@ def comparison_table(reports: list[dict[str, Any]]) -> Table:
     for name in columns:
         table.add_column(name, justify="right", no_wrap=True)
     best = max(r["hit_rate"] for r in reports)
+    notes = list(dict.fromkeys(n for r in reports for n in r.get("notes", ())))
     for r in reports:
         rate = Text(_pct(r["hit_rate"]), style="bold green" if r["hit_rate"] == best else "")
+        marks = "".join("*" * (notes.index(n) + 1) for n in r.get("notes", ()))
         row = [
-            str(r["block_size"]),
+            f"{marks}{r['block_size']}",
             f"{r['num_blocks']:,}",
             _short(r["block_size"] * r["num_blocks"]),
             rate,
@@ -138,6 +158,10 @@ def comparison_table(reports: list[dict[str, Any]]) -> Table:
             row.append(f"{r['rejected']:,}")
         table.add_row(*row)
     table.caption = "bound: hit rate of a cache that never evicts; rejected requests are left out"
+    # Under the rows they mark, where a reader comparing them looks: why they cannot differ.
+    for i, note in enumerate(notes):
+        table.caption += f"\n{'*' * (i + 1)} {note}"
+        table.caption_justify = "left"
     return table
 
 
@@ -170,3 +194,12 @@ def hit_rate_chart(reports: list[dict[str, Any]], console_width: int = 80) -> Te
             text.append("░" * (width - filled), "grey35")
         text.append(f" {_pct(r['hit_rate']):>6} / {_pct(r['infinite_cache_hit_rate'])}\n")
     return text
+
+
+def _label_value_table(title: str) -> Table:
+    """Three columns: a bold label, its right-aligned value, a dim note."""
+    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column(style="dim")
+    return table

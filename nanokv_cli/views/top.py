@@ -19,8 +19,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ..cache_stream import CACHED
-from ..top import ServerView, Top, fleet_json, server_json
+from ..serve.cache_stream import CACHED
+from ..serve.top import ServerView, Top, fleet_json, server_json
 from .live import LiveView, miss_text
 
 IDLE_AFTER_S = 1.0  # no step for this long: the counters say "idle", not the last step's kind

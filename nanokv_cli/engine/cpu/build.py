@@ -207,7 +207,7 @@ def sources() -> list[Path]:
 def library_path(variant: IsaVariant, compiler: str, header: str | None = None) -> Path:
     """Where ``variant``'s library built by ``compiler`` (against ``header``, by default
     ``contract.header()``) lives in the cache."""
-    from ..cache_dir import default_cache_dir
+    from .cache_dir import default_cache_dir
 
     digest = hashlib.sha256()
     for source in sources():

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..gguf_file import byte_view, dequantize
+from ..model.gguf_file import byte_view, dequantize
 from . import kernels
 
 GROUP_SIZE = 32

@@ -47,19 +47,9 @@ import torch
 
 from . import contract
 from .contract import LinearSpec
-from .library import SIGNATURES, status  # noqa: F401 - status is this module's API too
+from .library import SIGNATURES
 from .library import library as _library
-from .program import (  # noqa: F401 - the recorded steps' names, as kernels.py always had them
-    RecordingError,
-    StaleProgramError,
-    StepProgram,
-    _call,
-    _plan,
-    _Rows,
-    _Threads,
-    _Width,
-    recording,
-)
+from .program import _call, _Rows, _Threads, _Width
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 

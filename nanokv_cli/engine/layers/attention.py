@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import triton_attention
 from ..cpu import kernels as cpu_kernels
-from ..triton_attention import TritonMetadata
+from ..runner import triton_attention
+from ..runner.triton_attention import TritonMetadata
 
 try:  # pragma: no cover - only on CUDA machines with flash-attn installed
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

@@ -1,4 +1,4 @@
-/* The machine's read bandwidth, for the benchmarks' rooflines (scripts/roofline.py): one pass
+/* The machine's read bandwidth, for the benchmarks' rooflines (scripts/common.py): one pass
    over a buffer well past the last-level cache, as a decode step streams its weights. Each
    thread folds its chunks' 64-bit words together (an XOR the compiler vectorises, so the loop
    waits on memory, not on arithmetic) and the result is returned, so no read can be dropped. */

@@ -1,0 +1,1 @@
+"""The engine's books and loop: blocks, the pool, scheduling, events, steps."""

@@ -1,0 +1,1 @@
+"""A model from disk: weights (safetensors, GGUF), tokenizer, chat template."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism: ranks, their channel and workers."""

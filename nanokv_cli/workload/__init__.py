@@ -1,0 +1,1 @@
+"""What a run is given: prompt files and Mooncake traces as requests."""
