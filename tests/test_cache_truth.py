@@ -339,7 +339,9 @@ def multi_turn_run(seed: int, mode: str, num_blocks: int) -> dict:
             for out in outputs:
                 if out.finished:
                     talk = talks[owner[out.seq_id]]
-                    talk += out.token_ids + [rng.randrange(3, 60) for _ in range(rng.randrange(1, 9))]
+                    talk += out.token_ids + [
+                        rng.randrange(3, 60) for _ in range(rng.randrange(1, 9))
+                    ]
     return stats.report(duration=1.0, wall_time=1.0)
 
 

@@ -60,7 +60,12 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 # token, a head_dim that leaves a tail after the 64-wide vector loop, one that is no multiple of 8;
 # four query heads a KV head (Llama 3.2 1B), more than one tile of GQA heads.
 SHAPES = [
-    (9, 3, 64, 256), (4, 4, 128, 16), (8, 2, 16, 1), (6, 2, 72, 7), (4, 1, 20, 5), (8, 2, 64, 16)
+    (9, 3, 64, 256),
+    (4, 4, 128, 16),
+    (8, 2, 16, 1),
+    (6, 2, 72, 7),
+    (4, 1, 20, 5),
+    (8, 2, 64, 16),
 ]
 
 

@@ -49,8 +49,9 @@ def test_concurrent_callers_each_get_their_own_result():
     layers = [packed_layer(LINEAR_Q4P), packed_layer(LINEAR_Q8P, 700)]
     g = torch.Generator().manual_seed(4)
     inputs = [torch.randn(n, 576, generator=g) for n in (1, 7, 64)]
-    expected = [[with_threads(1, lambda s=s, x=x: kernels.linear(s, x)) for x in inputs]
-                for s, _ in layers]
+    expected = [
+        [with_threads(1, lambda s=s, x=x: kernels.linear(s, x)) for x in inputs] for s, _ in layers
+    ]
     failures = []
     start = threading.Barrier(len(layers))
 
@@ -93,7 +94,6 @@ def test_a_forked_child_gets_the_same_result_on_a_pool_of_its_own():
     assert child.exitcode == 0
     assert result == expected.numpy().tobytes()
     del packed
-
 
 
 @pytest.mark.slow

@@ -191,7 +191,9 @@ def test_a_bad_block_id_is_one_message(tmp_path, recorded, value, message):
     path = tmp_path / "t.trace"
     path.write_bytes(pack_records(with_field(recorded, BlockAllocated, 2, value)))
     for extra in ([], ["--request", "0"]):  # with tokens, and without (the same checks)
-        one_error(run_limited(["inspect", path, *extra]), f"{path}: a record does not hold", message)
+        one_error(
+            run_limited(["inspect", path, *extra]), f"{path}: a record does not hold", message
+        )
     summary = run_limited(["inspect", path, "--summary"])  # counts records, reads no fields
     assert summary.returncode == 0 and "Traceback" not in summary.stderr, summary.stderr
 
@@ -238,7 +240,9 @@ def test_a_header_cache_size_out_of_bounds_is_refused(tmp_path, recorded, num_bl
     path = tmp_path / "t.trace"
     path.write_bytes(pack_records([[b"H", 0, 0, header], *recorded[1:]]))
     one_error(
-        run_limited(["inspect", path]), str(path), f"lacks a valid 'num_blocks' (1 to {MAX_NUM_BLOCKS:,})"
+        run_limited(["inspect", path]),
+        str(path),
+        f"lacks a valid 'num_blocks' (1 to {MAX_NUM_BLOCKS:,})",
     )
 
 
@@ -309,13 +313,17 @@ def test_a_non_finite_mooncake_timestamp_is_one_message(tmp_path, tiny_model, ti
 def test_a_non_finite_prompt_file_timestamp_is_one_message(tmp_path, timestamp):
     path = tmp_path / "p.jsonl"
     path.write_text(f'{{"prompt": "hello", "timestamp": {timestamp}}}\n')
-    one_error(run_limited(["replay", path, "--dry-run", "--json"]), "'timestamp' must be a finite number")
+    one_error(
+        run_limited(["replay", path, "--dry-run", "--json"]), "'timestamp' must be a finite number"
+    )
 
 
 def test_a_rate_of_1e_300_gives_a_finite_report(tmp_path):
     path = mooncake(tmp_path / "m.jsonl", ["0", "10", "20"])
     report = tmp_path / "r.json"
-    result = run_limited(["replay", path, "--dry-run", "--rate", "1e-300", "--json", "--report", report])
+    result = run_limited(
+        ["replay", path, "--dry-run", "--rate", "1e-300", "--json", "--report", report]
+    )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert finite_json(report.read_text()) == finite_json(result.stdout)
     assert 1e290 < finite_json(result.stdout)["duration_s"] < 1e308
@@ -324,7 +332,9 @@ def test_a_rate_of_1e_300_gives_a_finite_report(tmp_path):
 def test_a_rate_whose_arrivals_overflow_is_one_message(tmp_path):
     # 5e-324 is the smallest float above 0: one gap of 1/rate is already past the largest.
     path = mooncake(tmp_path / "m.jsonl", ["0", "10", "20"])
-    one_error(run_limited(["replay", path, "--dry-run", "--rate", "5e-324"]), "--rate 5e-324 is too low")
+    one_error(
+        run_limited(["replay", path, "--dry-run", "--rate", "5e-324"]), "--rate 5e-324 is too low"
+    )
 
 
 def test_a_model_run_at_1e_300_per_second(tmp_path, tiny_model):
@@ -334,7 +344,9 @@ def test_a_model_run_at_1e_300_per_second(tmp_path, tiny_model):
     one = run_limited(["replay", mooncake(tmp_path / "one.jsonl", ["0"]), *model_run], MODEL_MEMORY)
     assert one.returncode == 0 and "Traceback" not in one.stderr, one.stderr[-3000:]
     assert finite_json(one.stdout)["rate"] == 1e-300
-    two = run_limited(["replay", mooncake(tmp_path / "two.jsonl", ["0", "1"]), *model_run], MODEL_MEMORY)
+    two = run_limited(
+        ["replay", mooncake(tmp_path / "two.jsonl", ["0", "1"]), *model_run], MODEL_MEMORY
+    )
     one_error(two, "from now, more than a year", "--rate")
 
 

@@ -66,7 +66,9 @@ def test_every_usual_on_spelling_keeps_them_on(value):
 
 
 def test_an_unknown_kernel_switch_is_one_error_not_ignored():
-    result = nanokv("generate", "Hi", "--max-tokens", 1, "--no-live", env={"NANOKV_CPU_KERNELS": "maybe"})
+    result = nanokv(
+        "generate", "Hi", "--max-tokens", 1, "--no-live", env={"NANOKV_CPU_KERNELS": "maybe"}
+    )
     one_error(result, "NANOKV_CPU_KERNELS='maybe'", "0/false/off/no")
 
 
@@ -173,13 +175,18 @@ def v1_trace(path: Path, *lines: str) -> Path:
     return path
 
 
-STORED = '{"type": "BlockStored", "block_id": 1, "block_hash": 7, "parent_hash": -1, "token_ids": %s}'
+STORED = (
+    '{"type": "BlockStored", "block_id": 1, "block_hash": 7, "parent_hash": -1, "token_ids": %s}'
+)
 
 
 @pytest.mark.parametrize(
     "line, says",
     [
-        ('{"type": "StepSnapshot", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+        (
+            '{"type": "StepSnapshot", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            "nested too deeply",
+        ),
         (STORED % "5", "BlockStored.token_ids = 5 is not token ids"),
         (STORED % '["x", null]', "is not token ids"),
         (STORED % str(2**31), "is not token ids"),
@@ -246,7 +253,7 @@ def test_a_stop_string_with_a_lone_surrogate_is_a_400_like_the_prompt(tiny, tmp_
         url = f"{server.url}/v1/completions"
         # JSON's \ud800 escape: a lone surrogate, as a client can send it.
         for field in ('"prompt": "Hi \\ud800", "stop": "x"', '"prompt": "Hi", "stop": "\\ud800"'):
-            body = "{\"max_tokens\": 2, " + field + "}"
+            body = '{"max_tokens": 2, ' + field + "}"
             r = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == 400, r.text
             assert "surrogate" in r.json()["error"]["message"]

@@ -282,7 +282,7 @@ def test_a_broken_cached_library_is_rebuilt_not_reused(damage, tmp_path):
         empty_c.write_text("int nanokv_nothing;\n")
         subprocess.run([build.find_compiler(), "-shared", "-fPIC", "-o", path, empty_c], check=True)
     check = (
-        "from nanokv_cli.engine.cpu import library\n"
+        "from nanokv_cli.engine.cpu import kernels, library\n"
         "s = library.status()\n"
         "assert s.lib is not None and s.built, s\n"
         "assert kernels.available()\n"

@@ -16,7 +16,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-from nanokv_cli.whatif.layout import PART_MARK, Finding, find_layout_findings
+from nanokv_cli.whatif.layout import Finding, find_layout_findings
+from nanokv_cli.whatif.layout_prompts import PART_MARK
 
 # -- the real tokenizer ---------------------------------------------------------------------------
 

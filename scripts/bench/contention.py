@@ -55,8 +55,18 @@ def parse_args() -> argparse.Namespace:
 
 
 def generate_command(args: argparse.Namespace) -> list[str]:
-    command = [sys.executable, "-m", "nanokv_cli.cli", "generate", PROMPT, "--max-tokens",
-               str(args.max_tokens), "--ignore-eos", "--json", "--no-live"]
+    command = [
+        sys.executable,
+        "-m",
+        "nanokv_cli.cli",
+        "generate",
+        PROMPT,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--ignore-eos",
+        "--json",
+        "--no-live",
+    ]
     if args.model:
         command += ["--model", args.model]
     if args.threads:
@@ -109,7 +119,9 @@ def main() -> None:
         "benchmark": "contention",
         "competitor": args.competitor,
         "threads": args.threads or "default",
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "max_tokens": args.max_tokens,
         "quiet_tok_s": quiet,
         "contended_tok_s": contended,
