@@ -88,8 +88,9 @@ class RunStats:
             self.last = event
             self.step_wall_time += event.wall_time
             self.computed_prompt_tokens += event.num_prefill_tokens
-            if event.num_used_blocks > self.peak_used_blocks:
-                self.peak_used_blocks = event.num_used_blocks
+            used = max(event.num_used_blocks, event.step_used_blocks)  # the latter: new traces
+            if used > self.peak_used_blocks:
+                self.peak_used_blocks = used
         elif t is CacheLookup:
             if self.on_request is not None:
                 rec = self._live.get(event.seq_id)

@@ -177,6 +177,8 @@ class LiveView:
                 live.update(self.render())  # Live's exit draws it: one final frame, not two
         finally:
             live.__exit__(*exc)  # shows the cursor again, whatever happened
+            if not self.console.is_terminal and not self.transient:
+                self.console.line()  # Rich ends a terminal's last frame with a newline, not a file's
         if exc[0] is None:
             self._drawn(t0)
 
@@ -227,39 +229,49 @@ class LiveView:
         text.append(f" · {s.num_free_blocks - s.num_cached_free_blocks:,} free")
         if s.tier_blocks:  # the second tier (--kv-tier): evicted blocks it keeps
             text.append(f" · {s.tier_blocks:,} in the tier", "magenta")
-        text.append(
-            f"     running {s.num_running} · waiting {s.num_waiting} · done {self.num_finished}{total}\n"
+        queue = (
+            f"running {s.num_running} · waiting {s.num_waiting} · done {self.num_finished}{total}"
         )
+        text.append(self._fit(len(text.plain), queue, gap=5) + "\n")
         text.append("cache   ", "bold")
         if s.queries:
             # First admissions only (block_manager.CacheStats): the headline everywhere.
-            text.append(f"hit rate {s.hits / s.queries:.1%}", "bold yellow")
-            text.append(
-                f" (shared {s.shared_hits / s.queries:.1%} · revived {s.revived_hits / s.queries:.1%}"
+            headline = f"hit rate {s.hits / s.queries:.1%}"
+            text.append(headline, "bold yellow")
+            sources = (
+                f"(shared {s.shared_hits / s.queries:.1%} · revived {s.revived_hits / s.queries:.1%}"
                 f" · copied {s.copied_hits / s.queries:.1%}"
                 + (f" · restored {s.restored_hits / s.queries:.1%}" if s.restored_hits else "")
                 + f" of {s.queries:,} tokens looked up)"
             )
+            text.append(self._fit(8 + len(headline), sources))
         else:
             text.append("no lookups yet", "dim")
         text.append("\nmisses  ", "bold")
-        text.append_text(miss_text(s.miss_tokens))
+        text.append_text(miss_text(s.miss_tokens, self.console.size.width))
         text.append(f"\n        evictions {s.evictions:,} · preemptions {s.preemptions:,}")
         if s.readmission_queries:
             text.append(
                 f" · re-admissions: {s.readmission_hits:,} of {s.readmission_queries:,} tokens hit"
             )
+        used = len(text.plain) - text.plain.rfind("\n") - 1
         if self._idle and self._ended is None:
-            text.append("     idle", "dim")
+            text.append(self._fit(used, "idle", gap=5), "dim")
         elif self._ended is None:
-            text.append(f"     {s.kind} step · {self._tokens_per_s():,.0f} tokens/s")
+            text.append(self._fit(used, f"{s.kind} step · {self._tokens_per_s():,.0f} tokens/s", 5))
         else:  # the final frame: the run's own rate, not the last two seconds' (often none)
             elapsed = self._ended - self._started
             rate = self.tokens_total / elapsed if elapsed > 0 else 0.0
-            text.append(
-                f"     done · {self.tokens_total:,} tokens in {elapsed:,.1f} s ({rate:,.0f} tokens/s)"
-            )
+            done = f"done · {self.tokens_total:,} tokens in {elapsed:,.1f} s ({rate:,.0f} tokens/s)"
+            text.append(self._fit(used, done, gap=5))
         return text
+
+    def _fit(self, used: int, part: str, gap: int = 1) -> str:
+        """``part`` after ``gap`` spaces on a line ``used`` columns long, or on a line of its own
+        (indented under the labels) where it would not fit: a cut line would hide its end."""
+        if used + gap + len(part) <= self.console.size.width:
+            return " " * gap + part
+        return "\n" + " " * 8 + part
 
     def _sequence_table(self, width: int) -> Text:
         """Live sequences and their block tables, as plain columns: a Rich Table would cost
@@ -325,21 +337,27 @@ class LiveView:
         return panels
 
 
-def miss_text(miss_tokens: dict[str, int]) -> Text:
+def miss_text(miss_tokens: dict[str, int], width: int | None = None) -> Text:
     """Missed tokens by reason, in ``MISS_REASONS`` order, with each one's share of the misses:
-    ``cold 1,024 (60%) · partial 512 (30%) · last-block 160 (10%)``."""
+    ``cold 1,024 (60%) · partial 512 (30%) · last-block 160 (10%)``. With ``width``, after the
+    8-column label: a reason that would pass it starts a new line, indented under the first."""
     reasons = [r for r in MISS_REASONS if miss_tokens.get(r)]
     reasons += [r for r, n in miss_tokens.items() if n and r not in MISS_REASONS]
     total = sum(miss_tokens[r] for r in reasons)
     text = Text()
     if not total:
         return text.append("none", "dim")
+    column = 8
     for i, reason in enumerate(reasons):
         n = miss_tokens[reason]
+        figure = f" {n:,} ({n / total:.0%})"
         if i:
-            text.append(" · ")
+            wrap = width is not None and column + 3 + len(reason) + len(figure) > width
+            text.append("\n" + " " * 8 if wrap else " · ")
+            column = 8 if wrap else column + 3
         text.append(reason, "magenta")
-        text.append(f" {n:,} ({n / total:.0%})")
+        text.append(figure)
+        column += len(reason) + len(figure)
     return text
 
 

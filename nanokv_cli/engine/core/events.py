@@ -180,6 +180,9 @@ class StepSnapshot:
     # Appended likewise (kv_tier): hits restored from the second tier, and its blocks held.
     restored_hits: int = 0
     tier_blocks: int = 0
+    # Blocks in use while the step computed: ``num_used_blocks`` is read after finished
+    # sequences gave theirs back, so a run of one-token requests would never show its peak.
+    step_used_blocks: int = 0
 
 
 Event = (

@@ -184,15 +184,16 @@ class LLMEngine:
             seqs = self.scheduler.schedule()
             token_ids = self.executor.run(seqs) if seqs else []
             listening = bool(self.events)
-            if listening:  # postprocess resets num_scheduled_tokens: read them first
+            if listening:  # postprocess resets num_scheduled_tokens and frees: read first
                 scheduled = [(s.seq_id, s.num_scheduled_tokens, s.is_prefill) for s in seqs]
+                in_use = len(self.block_manager.used_block_ids)
             advanced = self.scheduler.postprocess(seqs, token_ids)
             now = self.clock
             if budgeted:  # on the engine's clock: a dry run's virtual steps fit the same way
                 self.scheduler.step_done(now - started)
             outputs = self._record(advanced, now)
             if listening:
-                self._snapshot(scheduled, time.perf_counter() - t0, now)
+                self._snapshot(scheduled, in_use, time.perf_counter() - t0, now)
         except BaseException:
             self._recover(seqs)
             raise
@@ -251,7 +252,9 @@ class LLMEngine:
             f"pending outputs {sorted(self._outputs)} != queued requests {sorted(queued)}"
         )
 
-    def _snapshot(self, scheduled: list[tuple[int, int, bool]], wall: float, now: float) -> None:
+    def _snapshot(
+        self, scheduled: list[tuple[int, int, bool]], in_use: int, wall: float, now: float
+    ) -> None:
         bm, stats = self.block_manager, self.block_manager.stats
         num_prefill = sum(n for _, n, prefill in scheduled if prefill)
         num_decode = sum(1 for _, _, prefill in scheduled if not prefill)
@@ -286,6 +289,7 @@ class LLMEngine:
                 copied_hits=stats.copied_hits,
                 restored_hits=stats.restored_hits,
                 tier_blocks=self.tier.num_blocks if self.tier is not None else 0,
+                step_used_blocks=in_use,
             )
         )
 
