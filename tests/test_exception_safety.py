@@ -4,8 +4,9 @@ still mirrors the cache, the interrupted requests can go on (to the same tokens)
 and a clean re-run gives the same tokens and counters as an engine that never failed.
 
 The randomized part injects a fault at every point of each workload: each allocation and free
-(the free queue, the block manager), hash registration, scheduling decision, the forward pass,
-each event delivered to a listener, the clock and the executor's ``forget``."""
+(the free queue, the pool, the block manager), hash registration, each change of the copy
+sources, scheduling decision, the forward pass, each event delivered to a listener, the clock
+and the executor's ``forget``."""
 
 import copy
 from collections import Counter
@@ -53,6 +54,9 @@ SCHEDULER_POINTS = (
     "abort",
 )
 FREE_QUEUE_POINTS = ("popleft", "append", "remove")
+# The pool's and the copy sources' changes: each done whole or not begun, faulted before.
+POOL_POINTS = ("take_hit", "take_free", "release", "register", "uncache")
+COPY_SOURCE_POINTS = ("offer", "withdraw")
 EXPLAINER_POINTS = ("explain", "admitted", "progressed", "released", "stored")
 
 
@@ -71,6 +75,10 @@ class Faults:
             self._wrap(sched, name, after=True)
         for name in FREE_QUEUE_POINTS:
             self._wrap(bm.free_block_ids, name, after=False)
+        for name in POOL_POINTS:
+            self._wrap(bm.pool, name, after=False)
+        for name in COPY_SOURCE_POINTS:
+            self._wrap(bm.sources, name, after=False)
         for name in EXPLAINER_POINTS:
             self._wrap(bm._explainer, name, after=False)
         self._wrap(engine.executor, "run", after=True)
@@ -290,6 +298,7 @@ def test_an_exception_at_every_point_of_a_step_leaves_the_books_balanced():
     every_point()
     assert sum(injected) >= 1000, injected
     points = BLOCK_MANAGER_POINTS + SCHEDULER_POINTS + FREE_QUEUE_POINTS + EXPLAINER_POINTS
+    points += POOL_POINTS + COPY_SOURCE_POINTS
     events = ("CacheLookup", "BlockAllocated", "BlockHit", "BlockStored", "BlockRemoved")
     events += ("BlockFreed", "SequenceAdded", "SequencePreempted", "SequenceFinished")
     others = ("run", "_forget", "_clock", "StepSnapshot", "preemptions", "evictions")

@@ -17,18 +17,23 @@ early, while a finished one in the free queue holds all of it. Causal attention 
 K/V the ones the sequence would compute. ``prefix_match="block"`` is the seed's whole-block
 reuse, exactly.
 
-Each change does whatever may raise before it touches the books, and announces itself (one
-event) only once they balance. So an exception at any call, KeyboardInterrupt included, leaves
-balanced books and an event stream that matches them; what it may leave half done is a
-sequence's set of blocks, which the scheduler's ``recover`` completes or undoes.
+The books themselves are the pool's (``core/block_pool.py``: ref counts, the free queue, the
+hash map) and the copy sources' (``core/copy_sources.py``); this class decides, per sequence,
+what to take and free, explains misses, and counts. Each change does whatever may raise before
+it touches the books, and announces itself (one event) only once they balance. So an exception
+at any call, KeyboardInterrupt included, leaves balanced books and an event stream that matches
+them; what it may leave half done is a sequence's set of blocks, which the scheduler's
+``recover`` completes or undoes.
 """
 
 from __future__ import annotations
 
 from .config import PREFIX_MATCH_MODES
 from .core import tier_hits
-from .core.blocks import Block, FreeBlockQueue, common_prefix, hash_block_tokens, same_tokens
-from .core.cache_stats import MISS_REASONS, CacheStats
+from .core.block_pool import BlockPool
+from .core.blocks import Block, common_prefix, hash_block_tokens
+from .core.cache_stats import CacheStats
+from .core.copy_sources import CopySources
 from .core.events import (
     AllBlocksCleared,
     BlockAllocated,
@@ -40,28 +45,18 @@ from .core.events import (
     CacheLookup,
     EventListener,
 )
-from .core.miss_reasons import CONTINUATIONS_KEPT, MissExplainer, continuation_key
+from .core.miss_reasons import MissExplainer
 from .sequence import Sequence
 from .tiers.books import TierBooks
 
-# Re-exported: the blocks, the free queue and the statistics have files of their own.
-__all__ = [
-    "MISS_REASONS",
-    "MIN_WAIT_TOKENS",
-    "PREFIX_MATCH_MODES",
-    "Block",
-    "BlockManager",
-    "CacheStats",
-    "FreeBlockQueue",
-]
+# Block is re-exported: the seed's public path (it lives in core/blocks.py).
+__all__ = ["MIN_WAIT_TOKENS", "Block", "BlockManager"]
 
 
 # A follower waits a step for a prompt block another sequence is filling only when it would
 # copy at least this many tokens more by waiting: a few tokens cost less to compute than a
 # step's delay to the follower's first token.
 MIN_WAIT_TOKENS = 16
-# How far reuse reaches: "token" (the shared tokens of a prompt's first block past its
-# full-block hits are copied) or "block" (whole blocks only, the seed's semantics).
 
 
 class BlockManager:
@@ -87,20 +82,14 @@ class BlockManager:
         self.prefix_match = prefix_match
         # Token-granular reuse runs only where there is a cache to reuse from.
         self._copies = enable_prefix_caching and prefix_match == "token"
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids = FreeBlockQueue(range(num_blocks))
-        self.used_block_ids: set[int] = set()
-        self.hash_to_block_id: dict[int, int] = {}
-        # Older copies of a registered hash (the newest serves it): they still hold the
-        # content, so it leaves the cache, an eviction, only when the last copy is reused.
-        self._duplicates: dict[int, list[int]] = {}
-        # continuation_key(parent hash, first token) -> the newest blocks (at most
-        # CONTINUATIONS_KEPT, oldest first) whose content continues that prefix with that token:
-        # where a token-granular lookup looks (a bounded search). Each block is filed under its
-        # tail_key; it leaves when it is taken for new data or pushed out by newer ones.
-        self._tails: dict[int, list[int]] = {}
+        self.pool = pool = BlockPool(num_blocks)
+        # The seed's names for the pool's books (the same objects).
+        self.blocks = pool.blocks
+        self.free_block_ids = pool.free_block_ids
+        self.used_block_ids = pool.used_block_ids
+        self.hash_to_block_id = pool.hash_to_block_id
+        self.sources = CopySources(pool.blocks)
         self.stats = CacheStats()
-        self.num_cached_free_blocks = 0  # free blocks still holding a hash (reusable until evicted)
         # Called with every event; None (or an empty EventBus) costs one truth test per change.
         self.on_event = on_event
         # The engine's step number, for the record of when a hash was evicted.
@@ -111,6 +100,10 @@ class BlockManager:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free_blocks
 
     @classmethod
     def compute_hash(cls, token_ids: list[int], prefix: int = -1) -> int:
@@ -127,11 +120,7 @@ class BlockManager:
 
     def _lookup(self, seq: Sequence, i: int) -> int:
         """Physical block holding logical block ``i`` of ``seq`` in the prefix cache, or -1."""
-        block_id = self.hash_to_block_id.get(self._block_hash(seq, i), -1)
-        # A hash match alone is not proof: verify the tokens (xxh64 can collide).
-        if block_id != -1 and not same_tokens(self.blocks[block_id].token_ids, seq.block(i)):
-            return -1
-        return block_id
+        return self.pool.cached(self._block_hash(seq, i), seq.block(i))
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Physical blocks of the longest cached prefix of ``seq``'s full blocks.
@@ -197,7 +186,7 @@ class BlockManager:
             return []
         parent = self._block_hash(seq, i - 1) if i else -1
         found = []
-        for source in self._tails.get(continuation_key(parent, seq.token_ids[start]), ()):
+        for source in self.sources.continuing(parent, seq.token_ids[start]):
             block = self.blocks[source]
             if block.parent != parent:  # a key collision
                 continue
@@ -263,15 +252,7 @@ class BlockManager:
         blocks, table, emit = self.blocks, seq.block_table, self.on_event
         for block_id in hit_ids:
             block = blocks[block_id]
-            if block.ref_count:
-                block.ref_count += 1
-                kind = "shared"
-            else:
-                self.free_block_ids.remove(block_id)  # first: if it raises, nothing has changed
-                self.num_cached_free_blocks -= 1
-                self.used_block_ids.add(block_id)
-                block.ref_count = 1
-                kind = "revived"
+            kind = self.pool.take_hit(block)
             table.append(block_id)
             if emit:
                 emit(BlockHit(seq.seq_id, block_id, block.hash, kind))
@@ -302,43 +283,7 @@ class BlockManager:
         block = self.blocks[seq.block_table[i]]
         block.owner, block.start = seq, i * bs
         block.parent = self._block_hash(seq, i - 1) if i else -1
-        self._offer(block, seq.token_ids[i * bs])
-
-    def _withdraw(self, block: Block) -> None:
-        """``block`` stops being a copy source."""
-        key = block.tail_key
-        if key:
-            sources = self._tails.get(key, ())
-            if block.block_id in sources:  # not filed if an interrupt cut _offer short
-                if len(sources) == 1:  # one change either way: no empty list left behind
-                    del self._tails[key]
-                else:
-                    sources.remove(block.block_id)
-            block.tail_key = 0
-
-    def _offer(self, block: Block, first_token: int) -> None:
-        """File ``block`` as the newest copy source for its prefix and first token."""
-        if block.tail_key:  # offered again (full now, registered): it moves to the newest
-            self._withdraw(block)
-        key = continuation_key(block.parent, first_token)
-        # The key first: a block filed under a key it does not carry could never leave.
-        block.tail_key = key
-        sources = self._tails.get(key)
-        if sources is None:
-            self._tails[key] = [block.block_id]
-        else:
-            sources.append(block.block_id)
-            if len(sources) > CONTINUATIONS_KEPT:
-                self._push_out(sources)
-
-    def _push_out(self, sources: list[int]) -> None:
-        """Drop one source of a full set: the oldest, unless it is the newest one no sequence
-        is filling any more (a finished prompt's tail: what a repeat of that prompt needs,
-        which sequences running with the same prefix would otherwise push out)."""
-        blocks = self.blocks
-        settled = [j for j, b in enumerate(sources) if blocks[b].owner is None]
-        victim = 1 if settled and settled[-1] == 0 else 0
-        blocks[sources.pop(victim)].tail_key = 0
+        self.sources.offer(block, seq.token_ids[i * bs])
 
     def _count_lookup(
         self,
@@ -368,43 +313,29 @@ class BlockManager:
         stats.miss_tokens[reason] += seq.num_tokens - shared - revived - copied - restored
 
     def _allocate_free_block(self, seq: Sequence) -> None:
-        free = self.free_block_ids
-        if self.num_cached_free_blocks:  # the head may hold a hash
-            head = self.blocks[free.head()]
-            if head.hash != -1:
-                self._evict(head)
-        block_id = free.popleft()  # first: if it raises, nothing has changed
-        block = self.blocks[block_id]
-        self._withdraw(block)  # a copy source: its content is about to be overwritten
+        pool = self.pool
+        head = pool.blocks[pool.free_block_ids.head()]
+        # No copy source any more (its content is about to be overwritten), nor, if it holds
+        # the last copy of cached content, a cached block: both before it is taken, so that a
+        # block taken is one the table holds.
+        self.sources.withdraw(head)
+        if head.hash != -1 and pool.is_last_copy(head):
+            self._evict(head)
+        block = pool.take_free()
+        block_id = block.block_id
         if self.tier is not None:
             self.tier.cancel(block_id)  # a restore not yet written would overwrite new data
-        block.reset()
-        self.used_block_ids.add(block_id)
         seq.block_table.append(block_id)
         if self.on_event:
             self.on_event(BlockAllocated(seq.seq_id, block_id))
 
     def _evict(self, block: Block) -> None:
-        """The LRU cached block is about to be overwritten, so its hash stops resolving
-        there. If an older copy of the content is still cached, the hash moves to it (the
-        newest remaining copy); otherwise the content leaves the cache: an eviction, a change
-        of its own, announced before the block is taken (one event per change, so a listener
-        that raises cannot leave another listener with half of one)."""
+        """The LRU cached block, the last copy of its content, is about to be overwritten:
+        the content leaves the cache. An eviction is a change of its own, announced before
+        the block is taken (one event per change, so a listener that raises cannot leave
+        another listener with half of one)."""
         h, token_ids = block.hash, block.token_ids
-        block.hash = -1
-        block.token_ids = []
-        self._withdraw(block)
-        self.num_cached_free_blocks -= 1
-        copies = self._duplicates.get(h)
-        if copies:
-            if self.hash_to_block_id[h] == block.block_id:
-                self.hash_to_block_id[h] = copies.pop()
-            else:
-                copies.remove(block.block_id)
-            if not copies:
-                del self._duplicates[h]
-            return
-        del self.hash_to_block_id[h]
+        self.pool.uncache(block)
         self.stats.evictions += 1
         self._explainer.evicted(h, self.step)
         if self.on_event:
@@ -422,18 +353,13 @@ class BlockManager:
             if self._copies:
                 self._leave_tail(seq)
         seq.kv_copy = None
-        table, blocks, free = seq.block_table, self.blocks, self.free_block_ids
+        table, blocks, pool = seq.block_table, self.blocks, self.pool
+        # Walking the table backwards queues a sequence's tail blocks ahead of its prefix in
+        # the free queue, so the prefix (the part other requests share) is evicted last.
         while table:
             block_id = table[-1]
             block = blocks[block_id]
-            if block.ref_count == 1:
-                # To the tail, hash kept: reusable until it reaches the head. Walking the table
-                # backwards queues a sequence's tail blocks ahead of its prefix, so the prefix
-                # (the part other requests share) is evicted last.
-                free.append(block_id)  # first: if it raises, nothing has changed
-                self.used_block_ids.discard(block_id)
-                self.num_cached_free_blocks += block.hash != -1
-            block.ref_count -= 1
+            pool.release(block)
             table.pop()
             if emit:
                 emit(BlockFreed(seq.seq_id, block_id, block.ref_count))
@@ -447,12 +373,12 @@ class BlockManager:
         block = self.blocks[seq.block_table[-1]]
         if block.owner is not seq:
             return
-        block.owner = None
         n = seq.num_cached_tokens - block.start
         if n > 0:
             block.token_ids = seq.token_ids[block.start : block.start + n]
         else:
-            self._withdraw(block)
+            self.sources.withdraw(block)
+        block.owner = None
 
     def can_append(self, seq: Sequence) -> bool:
         # A decode step needs a new block only when the token to compute opens one:
@@ -485,20 +411,14 @@ class BlockManager:
             # The explainer's hint first: the books change after every call that may raise
             # (a hint about a hash never registered is looked up and found missing).
             explainer.stored(h, parent, token_ids[0])
-            older = self.hash_to_block_id.get(h, -1)
-            if older != -1:
-                # A duplicate (a prompt's recomputed last block, an answer another sequence
-                # also generated): the newest copy serves the hash, as a re-registration does
-                # in the seed, and sits farthest from the free queue's head; the older one
-                # keeps its content until it is reused (see _evict).
-                self._duplicates.setdefault(h, []).append(older)
-            block.update(h, token_ids)
-            self.hash_to_block_id[h] = block.block_id
-            if self._copies:  # the newest continuation of its prefix
-                block.parent = parent
-                self._offer(block, token_ids[0])
+            self.pool.register(block, h, token_ids)
             if self.on_event:
                 self.on_event(BlockStored(block.block_id, h, parent, token_ids))
+            # Announced first: a block the cache holds is one the events name, while a block
+            # an interrupt leaves unoffered is merely no copy source.
+            if self._copies:  # the newest continuation of its prefix
+                block.parent = parent
+                self.sources.offer(block, token_ids[0])
         explainer.progressed(self, seq, start, end)
 
     def reclaim(self, prefilling: list[Sequence]) -> None:
@@ -509,61 +429,19 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (e.g. after weights change)."""
-        for block in self.blocks:
-            block.hash = -1
-            block.token_ids = []
-            block.owner = None
-            block.tail_key = 0
-        self.hash_to_block_id.clear()
-        self._duplicates.clear()
-        self._tails.clear()
-        self.num_cached_free_blocks = 0
+        self.pool.clear()
+        self.sources.clear()
         self._explainer.cleared()
         if self.tier is not None:
             self.tier.clear()
         if self.on_event:
             self.on_event(AllBlocksCleared())
 
-    def _check_sources(self) -> None:
-        """Each copy source is filed once, under the key it carries, and holds something. (A
-        block may carry a key it is not filed under, if an interrupt cut ``_offer`` short:
-        harmless, it is simply no source.)"""
-        for key, sources in self._tails.items():
-            assert 0 < len(sources) <= CONTINUATIONS_KEPT, f"key {key}: {len(sources)} sources"
-            assert len(set(sources)) == len(sources), f"key {key} files a block twice"
-            for b in sources:
-                block = self.blocks[b]
-                assert block.tail_key == key, f"copy source {b} is filed under another key"
-                assert block.hash != -1 or block.owner is not None or block.token_ids, (
-                    f"copy source {b} holds nothing"
-                )
-
     def check_invariants(self, live_seqs: list[Sequence] | None = None) -> None:
         """Assert the books balance. With ``live_seqs``, ref counts must equal table membership."""
         n = len(self.blocks)
-        free = list(self.free_block_ids)
-        assert len(free) == len(set(free)), "duplicate ids in the free queue"
-        assert set(free).isdisjoint(self.used_block_ids), "a block is both free and used"
-        assert len(free) + len(self.used_block_ids) == n, "free and used do not cover all blocks"
-        for block in self.blocks:
-            assert (block.ref_count > 0) == (block.block_id in self.used_block_ids), block
-            assert block.ref_count >= 0, block
-        cached_free = sum(1 for b in free if self.blocks[b].hash != -1)
-        assert cached_free == self.num_cached_free_blocks, "cached-free counter drifted"
-        for h, b in self.hash_to_block_id.items():
-            assert self.blocks[b].hash == h, (
-                f"hash {h} maps to block {b} holding {self.blocks[b].hash}"
-            )
-        for h, copies in self._duplicates.items():
-            assert copies and h in self.hash_to_block_id, f"stray copies of hash {h}"
-            for b in copies:
-                assert self.blocks[b].hash == h and self.hash_to_block_id[h] != b, (h, b)
-        hashed = sum(1 for b in self.blocks if b.hash != -1)
-        copies = sum(len(c) for c in self._duplicates.values())
-        assert hashed == len(self.hash_to_block_id) + copies, (
-            "a hashed block the prefix cache cannot reach"
-        )
-        self._check_sources()
+        self.pool.check()
+        self.sources.check()
         if self.tier is not None:
             self.tier.check()
         s = self.stats

@@ -1,4 +1,4 @@
-"""A physical KV block's books and the FIFO queue of free blocks (``BlockManager`` keeps both)."""
+"""A physical KV block's books and the FIFO queue of free blocks (``BlockPool`` keeps both)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Block:
         # last block its sequence left behind (a source for token-granular reuse).
         self.token_ids: list[int] = []
         # Token-granular reuse: the prefix this block's content continues (-1: none), its key
-        # in BlockManager._tails (0: not a source), and while a sequence is still filling it,
+        # in CopySources (0: not a source), and while a sequence is still filling it,
         # that sequence and the block's first position in it.
         self.parent = -1
         self.tail_key = 0

@@ -28,7 +28,7 @@ gains at least ``MIN_WAIT_TOKENS``).
 What it keeps: the next block each prefilling sequence is computing (its claim, which
 ``in-flight`` and the scheduler's in-batch sharing test), the evicted hashes (one int each,
 the latest eviction wins), and for ``partial`` and the token-granular reasons the newest few
-continuations of each prefix (``CONTINUATIONS_KEPT``, as the BlockManager keeps copy sources),
+continuations of each prefix (``CONTINUATIONS_KEPT``, as ``CopySources`` keeps blocks),
 each a registered block's hash (looked up again when asked: an evicted one no longer counts) or
 a prompt's partial last block (its tokens), pruned oldest first past a few times the cache's
 block count. A few, not the newest only: a running sequence that parts from a prompt early must

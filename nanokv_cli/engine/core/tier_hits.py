@@ -6,7 +6,7 @@ A restored block is one the sequence would otherwise compute: a fresh block from
 queue, its K/V fetched from the tier now (so a block that cannot be read back is a miss
 before anything is counted) and written by the runner before the step's forward pass, then
 registered under its hash as if computed. A restored block is no copy source
-(``BlockManager._tails``) until it is computed again: a copy runs before the restores that
+(``core/copy_sources.py``) until it is computed again: a copy runs before the restores that
 fill its source, so a source restored in the same step would lend K/V not yet there.
 """
 
@@ -47,8 +47,7 @@ def restore(bm, seq: Sequence, i: int, handle: Any) -> None:
     # Placed before registered: a block whose hash resolves must have its K/V on the way.
     bm.tier.place(block_id, handle)
     h, tokens = seq.block_hashes[i], seq.block(i)
-    bm.blocks[block_id].update(h, tokens)
-    bm.hash_to_block_id[h] = block_id
+    bm.pool.register(bm.blocks[block_id], h, tokens)
     if bm.on_event:
         bm.on_event(BlockStored(block_id, h, seq.block_hashes[i - 1] if i else -1, tokens))
         bm.on_event(BlockRestored(seq.seq_id, block_id, h, bm.tier.medium))
