@@ -360,3 +360,21 @@ def test_ctrl_c_inside_a_step_then_the_default_model_generates_the_same_tokens()
     engine.check_invariants()
     assert not engine.block_manager.used_block_ids
     assert [o["token_ids"] for o in llm.generate(prompts, params)] == expected
+
+
+def test_an_exception_while_a_duplicate_block_is_reused_keeps_its_hash_announced():
+    # The same prompt computed twice leaves two copies of a block's content (the newer one
+    # serves the hash). Reusing the newer copy moves the hash to the older one: done in one
+    # change, or an interrupt in between left the event mirror holding a hash the books had
+    # dropped (points 175-176 before the block pool took it over).
+    requests = [
+        Request((18, 18, 1, 1, 12), 6, 0, None),
+        Request((18, 18, 1, 1), 1, 1, None),
+        Request((18, 18, 1, 1), 5, 4, None),
+        Request((18, 18, 1, 1, 6, 24, 8), 1, 4, None),
+    ]
+    config = EngineConfig(num_blocks=4, block_size=2, max_num_seqs=3, max_num_batched_tokens=2)
+    ref = reference_run(requests, config)
+    assert ref.counters["evictions"]
+    for target in range(1, ref.num_points + 1):
+        fail_at(requests, config, target, ref)
