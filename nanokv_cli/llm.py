@@ -75,7 +75,7 @@ class LLM:
             plan = machine.for_model(loaded.config, config, loaded.blocks)
             config = _resolved(config, plan)
             self.model_runner = ModelRunner(
-                loaded.config, loaded.weights, config, quantized_blocks=loaded.blocks, plan=plan
+                loaded.config, loaded.weights, plan, quantized_blocks=loaded.blocks
             )
             self.executor = self.model_runner
             # The second tier (kv_tier): opened once the cache exists, as its fingerprint

@@ -308,7 +308,7 @@ def test_runner_fast_paths_agree_with_the_torch_paths(qwen3, monkeypatch):
         settings = EngineConfig(
             block_size=16, num_blocks=64, dtype="float32", device="cpu", quantization="none"
         )
-        return ModelRunner(config, weights, settings)
+        return ModelRunner(config, weights, resolve_plan(config, settings))
 
     fast = make()
     assert fast.plan.cpu_kernels and isinstance(fast.model.lm_head, FloatLinear)
@@ -376,7 +376,7 @@ def test_replayed_decode_steps_compute_what_the_layers_compute(
         plan = resolve_plan(config, settings)
         assert plan.fused_decoder
         # The layers' own path: the same runner, its plan's decoder unfused.
-        return ModelRunner(config, weights, settings, plan=replace(plan, fused_decoder=recorded))
+        return ModelRunner(config, weights, replace(plan, fused_decoder=recorded))
 
     # Contexts crossing block edges (the tables widen); 1, 3 and 5 sequences (the kernels' row
     # tiles of 1-4), then fewer and fewer rows: replays of the program recorded on the first

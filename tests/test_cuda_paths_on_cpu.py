@@ -59,19 +59,20 @@ def test_cuda_sizing_warmup_runs_before_the_cache_exists(tiny_weights, monkeypat
     }.items():
         monkeypatch.setattr(torch.cuda, name, stand_in)
     # The CUDA sizing branch, taken on this CPU: no cache size given.
-    monkeypatch.setattr(model_runner, "needs_gpu_budget", lambda shape, settings: True)
-    monkeypatch.setattr(kv_cache, "needs_gpu_budget", lambda shape, settings: True)
+    monkeypatch.setattr(model_runner, "needs_gpu_budget", lambda shape, plan: True)
+    monkeypatch.setattr(kv_cache, "needs_gpu_budget", lambda shape, plan: True)
     warmups = []
     real_warmup = ModelRunner._warmup
     monkeypatch.setattr(ModelRunner, "_warmup", lambda self: warmups.append(real_warmup(self)))
 
-    sized = ModelRunner(config, weights, settings(num_blocks=None, max_num_batched_tokens=256))
+    unsized = settings(num_blocks=None, max_num_batched_tokens=256)
+    sized = ModelRunner(config, weights, resolve_plan(config, unsized))
     assert len(warmups) == 1
     budget = int(total * 0.9 - (total - free) - (peak - current))
     assert sized.num_blocks == budget // sized.block_bytes
     assert sized.kv_cache.shape[2] == sized.num_blocks  # the real cache, bound after
     assert all(a.k_cache.shape[0] == sized.num_blocks for a in sized.attention_layers)
-    given = ModelRunner(config, weights, settings())
+    given = ModelRunner(config, weights, resolve_plan(config, settings()))
     assert greedy(sized, PROMPTS, 4) == greedy(given, PROMPTS, 4)
 
 
@@ -98,10 +99,10 @@ def test_float32_decode_through_sdpa_takes_a_non_contiguous_output(tiny_weights,
     )
     engine = settings()
     plan = resolve_plan(config, engine)
-    expected = greedy(ModelRunner(config, weights, engine, plan=plan), PROMPTS, 5)
+    expected = greedy(ModelRunner(config, weights, plan), PROMPTS, 5)
     sdpa_plan = replace(plan, attention="sdpa", fused_decoder=False)
     monkeypatch.setattr(
         F, "scaled_dot_product_attention", _heads_first_sdpa(F.scaled_dot_product_attention)
     )
-    runner = ModelRunner(config, weights, engine, plan=sdpa_plan)
+    runner = ModelRunner(config, weights, sdpa_plan)
     assert greedy(runner, PROMPTS, 5) == expected

@@ -53,7 +53,9 @@ def test_a_dry_run_and_a_model_run_share_the_defaults(tmp_path):
     # The model run resolves what depends on the model, and keeps every other setting.
     resolved = llm.engine_config
     assert resolved.max_model_len == llm.max_model_len == llm.config.max_position_embeddings
-    assert llm.engine.config is resolved and llm.model_runner.engine_config is resolved
+    assert (
+        llm.engine.config is resolved and llm.model_runner.plan.max_model_len == llm.max_model_len
+    )
     same = {"max_model_len", "quantization", "num_blocks", "device"}
     for f in fields(EngineConfig):
         if f.name not in same:

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,7 @@ from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.model.loader import load_model
 from nanokv_cli.engine.runner.kv_cache import default_cpu_kv_cache_memory
 from nanokv_cli.engine.runner.memory import InsufficientMemoryError, check_memory_fits, memory_limit
+from nanokv_cli.engine.runner.run_plan import resolve_plan
 
 REPO = Path(__file__).resolve().parents[1]
 # Address space each run may take: importing torch and running a tiny model (or the default
@@ -263,18 +264,25 @@ class _AddressSpace:
 
 def test_memory_checks_follow_the_address_space_limit():
     config = load_model().config  # SmolLM2-135M: ~540 MB of float32 weights
-    cpu, f32 = torch.device("cpu"), torch.float32
+    long = ModelConfig(**{**config.__dict__, "max_position_embeddings": 1 << 24})
+
+    def plan(model: ModelConfig, quantization: str | None, **settings):
+        settings = EngineConfig(device="cpu", dtype="float32", **settings)
+        return replace(resolve_plan(model, settings), quantization=quantization)
+
+    # Planned before the limits below: a plan allocates nothing, but torch may on first use.
+    auto, auto_big_cache = plan(config, "auto"), plan(config, "auto", num_blocks=10**6)
+    float32, float32_long = plan(config, None), plan(long, None)
     with _AddressSpace(256 << 20):
-        limit = memory_limit(cpu)
+        limit = memory_limit(torch.device("cpu"))
         assert limit.counts_reserved and "ulimit -v" in limit.source
         assert limit.free <= 256 << 20
         assert default_cpu_kv_cache_memory() <= 128 << 20  # half of the headroom at most
         with pytest.raises(InsufficientMemoryError, match="weights .* raise the limit"):
-            check_memory_fits(config, EngineConfig(), cpu, f32, "auto")
+            check_memory_fits(config, auto)
         with pytest.raises(InsufficientMemoryError, match="lower --num-blocks"):
-            check_memory_fits(config, EngineConfig(num_blocks=10**6), cpu, f32, "auto")
+            check_memory_fits(config, auto_big_cache)
     with _AddressSpace(4 << 30):
-        check_memory_fits(config, EngineConfig(), cpu, f32, None)
+        check_memory_fits(config, float32)
         with pytest.raises(InsufficientMemoryError, match=r"lower --max-model-len \(16777216\)"):
-            long = ModelConfig(**{**config.__dict__, "max_position_embeddings": 1 << 24})
-            check_memory_fits(long, EngineConfig(), cpu, f32, None)
+            check_memory_fits(long, float32_long)

@@ -11,15 +11,18 @@ import pytest
 import torch
 from support.cli import MODEL_MEMORY, run_limited
 
-from nanokv_cli.engine.config import EngineConfig
+from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.runner import kv_cache
 from nanokv_cli.engine.runner.kv_cache import CacheShape, count_blocks
 from nanokv_cli.engine.runner.memory import MemoryLimit
+from nanokv_cli.engine.runner.run_plan import resolve_plan
 from nanokv_cli.serve.process import ServerProcess
 
 GiB, MiB = 1 << 30, 1 << 20
 # SmolLM2-135M's cache: 30 layers, 3 KV heads of 64, float16 K/V (the default model's).
 SMOLLM2 = CacheShape(30, 3, 64, 256, torch.float16, torch.device("cpu"))
+# Its sizes, as a run plan reads them: 8,192 positions.
+SMOLLM2_MODEL = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, max_position_embeddings=8192)
 BLOCK = SMOLLM2.block_bytes  # 5.6 MiB
 LINE = re.compile(
     r"^nanokv: KV cache ([\d,]+) blocks × ([\d,]+) tokens = ([\d,]+) tokens, "
@@ -30,7 +33,9 @@ LINE = re.compile(
 def sized(monkeypatch, free: int | None, **settings) -> kv_cache.CacheSize:
     limit = None if free is None else MemoryLimit(free, "available memory")
     monkeypatch.setattr(kv_cache, "memory_limit", lambda device: limit)
-    return count_blocks(SMOLLM2, EngineConfig(**settings), max_model_len=8192)
+    return count_blocks(
+        SMOLLM2, resolve_plan(SMOLLM2_MODEL, EngineConfig(device="cpu", **settings))
+    )
 
 
 def test_the_default_holds_what_the_model_can_use_not_what_is_free(monkeypatch):

@@ -81,7 +81,7 @@ def make_runner(config, weights, *, block_size=16, num_blocks=256, dtype="float3
         max_model_len=512,
         **kw,
     )
-    return ModelRunner(config, weights, settings)
+    return ModelRunner(config, weights, resolve_plan(config, settings))
 
 
 # -- parity with transformers -------------------------------------------------------------------

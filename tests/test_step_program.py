@@ -20,6 +20,7 @@ from nanokv_cli.engine.cpu import kernels as cpu_kernels
 from nanokv_cli.engine.cpu import program as cpu_program
 from nanokv_cli.engine.cpu.program import RecordingError, StaleProgramError, StepProgram
 from nanokv_cli.engine.runner.model_runner import ModelRunner
+from nanokv_cli.engine.runner.run_plan import resolve_plan
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.engine.sequence import Sequence
 
@@ -146,7 +147,7 @@ def test_a_torch_op_in_the_decoder_fails_the_recorded_step(tiny_llama):
     settings = EngineConfig(
         block_size=8, num_blocks=16, dtype="float32", device="cpu", quantization="none"
     )
-    runner = ModelRunner(config, weights, settings)
+    runner = ModelRunner(config, weights, resolve_plan(config, settings))
     mlp = runner.model.model.layers[0].mlp
     forward = mlp.forward
     mlp.forward = lambda x: forward(x) * 0.5

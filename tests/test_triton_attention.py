@@ -38,7 +38,12 @@ from nanokv_cli import doctor  # noqa: E402
 from nanokv_cli.engine.config import EngineConfig  # noqa: E402
 from nanokv_cli.engine.runner import triton_attention  # noqa: E402
 from nanokv_cli.engine.runner.model_runner import ModelRunner  # noqa: E402
-from nanokv_cli.engine.runner.run_plan import AttentionKernels, captures_graphs, choose_attention  # noqa: E402
+from nanokv_cli.engine.runner.run_plan import (  # noqa: E402
+    AttentionKernels,
+    captures_graphs,
+    choose_attention,
+    resolve_plan,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -181,7 +186,7 @@ def test_query_tiles_cover_each_sequence():
 def runner_for(config, weights, backend="auto", **kw) -> ModelRunner:
     base = {"block_size": 16, "num_blocks": 64, "device": "cpu", "max_model_len": 256}
     settings = EngineConfig(**{**base, "threads": 1, "attention_backend": backend, **kw})
-    return ModelRunner(config, weights, settings)
+    return ModelRunner(config, weights, resolve_plan(config, settings))
 
 
 def prompt_of(length: int, salt: int = 0) -> list[int]:

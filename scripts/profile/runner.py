@@ -25,6 +25,7 @@ import common  # noqa: E402, F401  (it puts this checkout first on the path)
 from nanokv_cli.engine.config import EngineConfig, ModelConfig  # noqa: E402
 from nanokv_cli.engine.models import build_model, hf_weight_names  # noqa: E402
 from nanokv_cli.engine.runner.model_runner import ModelRunner
+from nanokv_cli.engine.runner.run_plan import resolve_plan
 from nanokv_cli.engine.sampling_params import SamplingParams  # noqa: E402
 from nanokv_cli.engine.sequence import Sequence  # noqa: E402
 
@@ -131,7 +132,7 @@ def main() -> None:
         device="cpu",
         quantization="none",  # random float weights: no file blocks
     )
-    runner = ModelRunner(config, weights, settings)
+    runner = ModelRunner(config, weights, resolve_plan(config, settings))
     print(f"dtype={runner.dtype} threads={torch.get_num_threads()} block_size={args.block_size}")
     # The throughput benchmark's shape: prompts of 64..512 tokens, up to 256 generated.
     contexts = [random.randint(64, 512) + random.randint(0, 256) for _ in range(max(args.batch))]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig, ModelConfig
 from ..runner.model_runner import ModelRunner
+from ..runner.run_plan import resolve_plan
 
 # A forward pass keeps all ranks in lockstep, so a collective waits only for the slowest rank
 # to reach the same layer; this long means a rank is stuck.
@@ -110,8 +111,7 @@ def build_shard(
     Each rank sizes its cache from its own memory (on GPU after a warm-up); the block manager
     on rank 0 hands out block ids for every rank at once, so all take the smallest count.
     """
-
-    runner = ModelRunner(config, weights, engine_config, cache_group=group)
+    runner = ModelRunner(config, weights, resolve_plan(config, engine_config), cache_group=group)
     _check_same_cache(runner, group)
     return runner
 

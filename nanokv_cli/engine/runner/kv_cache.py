@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import EngineConfig
 from .memory import InsufficientMemoryError, format_bytes, memory_limit
+from .run_plan import RunPlan
 
 # CPU KV cache budget when none is given: a quarter of the memory the process may still take
 # at start-up (the tightest of ulimit -v, the cgroup limit and MemAvailable: memory_limit),
@@ -61,28 +61,23 @@ class CacheShape:
         return per_token * self.block_size * self.dtype.itemsize
 
 
-def count_blocks(
-    shape: CacheShape,
-    settings: EngineConfig,
-    max_model_len: int,
-    gpu_budget: int | None = None,
-) -> CacheSize:
+def count_blocks(shape: CacheShape, plan: RunPlan, gpu_budget: int | None = None) -> CacheSize:
     """The blocks this rank's cache holds, and why. ``gpu_budget``: the bytes a GPU has left for
     it (``needs_gpu_budget``: measured after a warm-up, on CUDA without a size given).
 
     Raises InsufficientMemoryError, naming the flag to change, for a cache that cannot hold one
     block or that the user sized past the memory the process may still take.
     """
-    if settings.num_blocks is not None:
-        _check_fits(shape, settings.num_blocks, "--num-blocks", str(settings.num_blocks))
-        return CacheSize(settings.num_blocks, "--num-blocks")
-    memory = settings.kv_cache_memory
+    if plan.num_blocks is not None:
+        _check_fits(shape, plan.num_blocks, "--num-blocks", str(plan.num_blocks))
+        return CacheSize(plan.num_blocks, "--num-blocks")
+    memory = plan.kv_cache_memory
     cpu_default = False  # the budget is the CPU default's, which the model's use caps (above)
-    if needs_gpu_budget(shape, settings):  # pragma: no cover - GPU
+    if needs_gpu_budget(shape, plan):  # pragma: no cover - GPU
         assert gpu_budget is not None, "a CUDA cache without a size needs the GPU's budget"
         budget = gpu_budget
         source = (
-            f"{settings.gpu_memory_utilization:g} of {shape.device}'s memory less what is in "
+            f"{plan.gpu_memory_utilization:g} of {shape.device}'s memory less what is in "
             "use and a step's activations"
         )
     elif memory is None:
@@ -104,9 +99,10 @@ def count_blocks(
         )
     # More blocks than every admissible sequence at full length could never be used; by
     # default on CPU, no more than DEFAULT_CPU_FULL_SEQUENCES of them (see above).
-    sequences, why = settings.max_num_seqs, f"--max-num-seqs {settings.max_num_seqs}"
+    sequences, why = plan.max_num_seqs, f"--max-num-seqs {plan.max_num_seqs}"
     if cpu_default and sequences > DEFAULT_CPU_FULL_SEQUENCES:
         sequences, why = DEFAULT_CPU_FULL_SEQUENCES, "the default"
+    max_model_len = plan.max_model_len
     ceiling = sequences * -(-max_model_len // shape.block_size)
     num_blocks = min(budget // shape.block_bytes, ceiling)
     if memory is not None:
@@ -118,9 +114,9 @@ def count_blocks(
     return CacheSize(num_blocks, source)
 
 
-def needs_gpu_budget(shape: CacheShape, settings: EngineConfig) -> bool:
+def needs_gpu_budget(shape: CacheShape, plan: RunPlan) -> bool:
     """Whether ``count_blocks`` sizes this cache from what the GPU has left."""
-    no_size = settings.num_blocks is None and settings.kv_cache_memory is None
+    no_size = plan.num_blocks is None and plan.kv_cache_memory is None
     return shape.device.type == "cuda" and no_size
 
 

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import EngineConfig, ModelConfig
+from ..config import ModelConfig
 
 if TYPE_CHECKING:  # torch only where a GPU is asked about: dry runs stay free of it
     import torch
+
+    from .run_plan import RunPlan
 
 
 class InsufficientMemoryError(ValueError):
@@ -88,39 +90,32 @@ def format_bytes(size: int) -> str:
     return f"{size} bytes"
 
 
-def check_memory_fits(
-    config: ModelConfig,
-    engine_config: EngineConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    quantization: str | None,
-    tp_size: int = 1,
-) -> None:
+def check_memory_fits(config: ModelConfig, plan: RunPlan) -> None:
     """Refuse, before anything is built, a run that cannot fit: the weights, the RoPE table
     and the smallest KV cache asked for (``num_blocks``, else one block) against
     ``memory_limit``. A lower bound, so it never refuses a run that would fit: quantized
     weights count only against RLIMIT_AS (the float copy is reserved, never touched), K/V at
-    2 bytes. ``_resolve_num_blocks`` checks the exact cache once the weights are in place.
+    2 bytes. ``kv_cache.count_blocks`` checks the exact cache once the weights are in place.
     """
-    limit = memory_limit(device)
+    limit = memory_limit(plan.device)
     if limit is None:
         return
-    max_len = engine_config.model_len(config.max_position_embeddings)
+    quantization, tp_size, max_len = plan.quantization, plan.tp_size, plan.max_model_len
     weights = 0
     if quantization is None or limit.counts_reserved:
-        weights = config.parameter_count() * dtype.itemsize // tp_size
+        weights = config.parameter_count() * plan.dtype.itemsize // tp_size
     # cos/sin [max_len, 2, head_dim] float32, computed through ~3x that in temporaries.
     rope = 3 * max_len * 2 * config.head_dim * 4
     kv_heads = -(-config.num_key_value_heads // tp_size)
-    block = 2 * config.num_hidden_layers * kv_heads * config.head_dim * 2 * engine_config.block_size
-    kv = block * (engine_config.num_blocks or 1)
+    block = 2 * config.num_hidden_layers * kv_heads * config.head_dim * 2 * plan.block_size
+    kv = block * (plan.num_blocks or 1)
     if weights + rope + kv <= limit.free:
         return
     if kv >= max(weights, rope):
         hint = (
-            f"lower --num-blocks ({engine_config.num_blocks}) or --block-size"
-            if engine_config.num_blocks
-            else f"lower --block-size ({engine_config.block_size})"
+            f"lower --num-blocks ({plan.num_blocks}) or --block-size"
+            if plan.num_blocks
+            else f"lower --block-size ({plan.block_size})"
         )
     elif rope >= weights:
         hint = f"lower --max-model-len ({max_len})"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed
 
-from ..config import EngineConfig, ModelConfig
+from ..config import ModelConfig
 from ..cpu import program as cpu_program
 from ..layers.attention import Attention, AttentionMetadata
 from ..model.loader import QuantizedTensor
@@ -46,7 +46,7 @@ from .kv_cache import (
     needs_gpu_budget,
 )
 from .memory import check_memory_fits
-from .run_plan import RunPlan, apply_process_settings, resolve_plan
+from .run_plan import RunPlan, apply_process_settings
 from .sampler import Sampler
 
 
@@ -103,24 +103,20 @@ class ModelRunner:
         self,
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        engine_config: EngineConfig,
+        plan: RunPlan,
         *,
         quantized_blocks: Mapping[str, QuantizedTensor] | None = None,
-        plan: RunPlan | None = None,
         cache_group: Any = None,
     ) -> None:
-        """``quantized_blocks``: a GGUF file's own blocks, for ``quantization="auto"``.
-        ``plan``: how to run (default: ``resolve_plan`` of the settings on this machine).
+        """``plan``: how to run, everything the settings decide (``resolve_plan``).
+        ``quantized_blocks``: a GGUF file's own blocks, for ``quantization="auto"``.
         ``cache_group``: a tensor-parallel run's process group, whose ranks all take the
         smallest block count any of them can hold (rank 0's block manager hands out block
         ids for every rank at once)."""
-        plan = plan or resolve_plan(config, engine_config, quantized_blocks=quantized_blocks)
-        self.config, self.engine_config, self.plan = config, engine_config, plan
+        self.config, self.plan = config, plan
         apply_process_settings(plan)
         # Before anything is allocated: what the model and the cache asked for imply.
-        check_memory_fits(
-            config, engine_config, plan.device, plan.dtype, plan.quantization, plan.tp_size
-        )
+        check_memory_fits(config, plan)
         with _default_dtype(plan.dtype), plan.device:
             self.model = build_model(config, max_position=plan.max_model_len)
         load_layers(
@@ -151,9 +147,9 @@ class ModelRunner:
         # it once the cache exists: restores land in the cache before each forward pass.
         self.tier: ModelTier | None = None
         gpu_budget = None
-        if needs_gpu_budget(self.cache_shape, engine_config):
-            gpu_budget = self._gpu_kv_budget(engine_config.gpu_memory_utilization)
-        size = count_blocks(self.cache_shape, engine_config, plan.max_model_len, gpu_budget)
+        if needs_gpu_budget(self.cache_shape, plan):
+            gpu_budget = self._gpu_kv_budget(plan.gpu_memory_utilization)
+        size = count_blocks(self.cache_shape, plan, gpu_budget)
         self.num_blocks = size.num_blocks
         # What decided the size, for the line commands print at start-up.
         self.kv_cache_source = size.source

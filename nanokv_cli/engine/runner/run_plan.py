@@ -100,6 +100,9 @@ class MachinePlan:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=settings.model_len(model.max_position_embeddings),
+            num_blocks=settings.num_blocks,
+            kv_cache_memory=settings.kv_cache_memory,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
         )
 
     def _kv_cache_dtype(self, setting: str | None, quantization: str | None) -> torch.dtype:
@@ -132,6 +135,11 @@ class RunPlan(MachinePlan):
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # The cache size asked for, which the runner turns into blocks once the weights are in
+    # place (kv_cache.py count_blocks): blocks, else a budget in bytes, else by default.
+    num_blocks: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float  # the GPU's share a CUDA cache sized by default may fill
 
 
 def resolve_plan(
