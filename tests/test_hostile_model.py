@@ -27,8 +27,8 @@ from support.models import make_tiny_model, write_gguf
 
 from nanokv_cli.engine.config import EngineConfig, ModelConfig
 from nanokv_cli.engine.model.loader import load_model
-from nanokv_cli.engine.runner.kv_cache import default_cpu_kv_cache_memory
-from nanokv_cli.engine.runner.memory import InsufficientMemoryError, check_memory_fits, memory_limit
+from nanokv_cli.engine.runner.kv_cache import check_memory_fits, default_cpu_kv_cache_memory
+from nanokv_cli.engine.runner.memory import InsufficientMemoryError, memory_limit
 from nanokv_cli.engine.runner.run_plan import resolve_plan
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""The KV cache tensor: how many blocks it holds, its allocation, and its commit.
+"""The KV cache tensor: whether a run fits, how many blocks it holds, its allocation, and its
+commit.
 
 One tensor for the whole model (layout in ``layers/attention.py``:
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``), sized once the weights are
@@ -15,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..config import ModelConfig
 from .memory import InsufficientMemoryError, format_bytes, memory_limit
 from .run_plan import RunPlan
 
@@ -59,6 +61,46 @@ class CacheShape:
         """Bytes of KV cache one block takes on this rank (all layers, K and V)."""
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim
         return per_token * self.block_size * self.dtype.itemsize
+
+
+def check_memory_fits(config: ModelConfig, plan: RunPlan) -> None:
+    """Refuse, before anything is built, a run that cannot fit: the weights, the RoPE table
+    and the smallest KV cache asked for (``num_blocks``, else one block) against
+    ``memory_limit``. A lower bound, so it never refuses a run that would fit: quantized
+    weights count only against RLIMIT_AS (the float copy is reserved, never touched), K/V at
+    2 bytes. ``count_blocks`` checks the exact cache once the weights are in place.
+    """
+    limit = memory_limit(plan.device)
+    if limit is None:
+        return
+    quantization, tp_size, max_len = plan.quantization, plan.tp_size, plan.max_model_len
+    weights = 0
+    if quantization is None or limit.counts_reserved:
+        weights = config.parameter_count() * plan.dtype.itemsize // tp_size
+    # cos/sin [max_len, 2, head_dim] float32, computed through ~3x that in temporaries.
+    rope = 3 * max_len * 2 * config.head_dim * 4
+    kv_heads = -(-config.num_key_value_heads // tp_size)
+    block = 2 * config.num_hidden_layers * kv_heads * config.head_dim * 2 * plan.block_size
+    kv = block * (plan.num_blocks or 1)
+    if weights + rope + kv <= limit.free:
+        return
+    if kv >= max(weights, rope):
+        hint = (
+            f"lower --num-blocks ({plan.num_blocks}) or --block-size"
+            if plan.num_blocks
+            else f"lower --block-size ({plan.block_size})"
+        )
+    elif rope >= weights:
+        hint = f"lower --max-model-len ({max_len})"
+    else:
+        quantized = "" if quantization else ", a quantized GGUF file"
+        hint = f"use a smaller model{quantized} or raise the limit"
+    parts = {"weights": weights, "RoPE table": rope, "KV cache": kv}
+    shown = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items() if size)
+    raise InsufficientMemoryError(
+        f"this run needs at least {format_bytes(weights + rope + kv)} ({shown}) but only "
+        f"{format_bytes(max(limit.free, 0))} is free under {limit.source}: {hint}"
+    )
 
 
 def count_blocks(shape: CacheShape, plan: RunPlan, gpu_budget: int | None = None) -> CacheSize:

@@ -1,7 +1,7 @@
-"""How much memory a run may use, and whether what it asks for fits, before anything is
-allocated: the tightest of the process's address-space limit (``ulimit -v``), its cgroup's
-limit and the memory available, so a cache or a model too big fails with one message that
-says what to lower instead of a traceback or the OOM killer."""
+"""How much memory a run may use: the tightest of the process's address-space limit
+(``ulimit -v``), its cgroup's limit and the memory available, so a cache or a model too big
+fails with one message that says what to lower instead of a traceback or the OOM killer
+(``kv_cache.check_memory_fits``, before anything is allocated)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import ModelConfig
-
 if TYPE_CHECKING:  # torch only where a GPU is asked about: dry runs stay free of it
     import torch
-
-    from .run_plan import RunPlan
 
 
 class InsufficientMemoryError(ValueError):
@@ -88,46 +84,6 @@ def format_bytes(size: int) -> str:
         if size >= 1 << shift:
             return f"{size / (1 << shift):.1f} {unit}"
     return f"{size} bytes"
-
-
-def check_memory_fits(config: ModelConfig, plan: RunPlan) -> None:
-    """Refuse, before anything is built, a run that cannot fit: the weights, the RoPE table
-    and the smallest KV cache asked for (``num_blocks``, else one block) against
-    ``memory_limit``. A lower bound, so it never refuses a run that would fit: quantized
-    weights count only against RLIMIT_AS (the float copy is reserved, never touched), K/V at
-    2 bytes. ``kv_cache.count_blocks`` checks the exact cache once the weights are in place.
-    """
-    limit = memory_limit(plan.device)
-    if limit is None:
-        return
-    quantization, tp_size, max_len = plan.quantization, plan.tp_size, plan.max_model_len
-    weights = 0
-    if quantization is None or limit.counts_reserved:
-        weights = config.parameter_count() * plan.dtype.itemsize // tp_size
-    # cos/sin [max_len, 2, head_dim] float32, computed through ~3x that in temporaries.
-    rope = 3 * max_len * 2 * config.head_dim * 4
-    kv_heads = -(-config.num_key_value_heads // tp_size)
-    block = 2 * config.num_hidden_layers * kv_heads * config.head_dim * 2 * plan.block_size
-    kv = block * (plan.num_blocks or 1)
-    if weights + rope + kv <= limit.free:
-        return
-    if kv >= max(weights, rope):
-        hint = (
-            f"lower --num-blocks ({plan.num_blocks}) or --block-size"
-            if plan.num_blocks
-            else f"lower --block-size ({plan.block_size})"
-        )
-    elif rope >= weights:
-        hint = f"lower --max-model-len ({max_len})"
-    else:
-        quantized = "" if quantization else ", a quantized GGUF file"
-        hint = f"use a smaller model{quantized} or raise the limit"
-    parts = {"weights": weights, "RoPE table": rope, "KV cache": kv}
-    shown = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts.items() if size)
-    raise InsufficientMemoryError(
-        f"this run needs at least {format_bytes(weights + rope + kv)} ({shown}) but only "
-        f"{format_bytes(max(limit.free, 0))} is free under {limit.source}: {hint}"
-    )
 
 
 def _address_space_limit() -> MemoryLimit | None:

@@ -41,11 +41,11 @@ from .cuda_graphs import DecodeGraphs
 from .kv_cache import (
     CacheShape,
     allocate,
+    check_memory_fits,
     commit,
     count_blocks,
     needs_gpu_budget,
 )
-from .memory import check_memory_fits
 from .run_plan import RunPlan, apply_process_settings
 from .sampler import Sampler
 
