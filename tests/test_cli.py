@@ -644,3 +644,22 @@ def test_bad_request_id_per_request_path_and_old_traces(recorded, tmp_path, prom
     )
     err = fails(1, "inspect", old, "--request", "1")
     assert "no cache-lookup records" in err and err.count("\n") == 1
+
+
+def test_each_option_alias_is_declared_once():
+    """A flag several commands share is declared once (commands/options.py); one a command
+    declares for itself has a name of its own, so a reader never meets two meanings under one
+    alias."""
+    import ast
+
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "nanokv_cli" / "commands").glob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            value = getattr(node, "value", None)
+            if isinstance(node, ast.Assign) and isinstance(value, ast.Subscript):
+                if getattr(value.value, "id", None) == "Annotated":
+                    for target in node.targets:
+                        seen.setdefault(target.id, []).append(path.name)
+    assert len(seen) > 40, sorted(seen)  # the scan finds the aliases
+    twice = {name: files for name, files in seen.items() if len(files) > 1}
+    assert not twice, twice

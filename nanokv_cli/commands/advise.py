@@ -18,9 +18,13 @@ from .options import (
     DEFAULT_MAX_TOKENS,
     ChatOpt,
     DebugOpt,
+    FormatOpt,
     HtmlOpt,
     JsonOpt,
+    LimitOpt,
+    RateOpt,
     RequestMaxTokensOpt,
+    TokenizerOpt,
     check_bound_memory,
     check_dry_run_memory,
     check_format,
@@ -29,7 +33,7 @@ from .options import (
 )
 from .output import print_json, stdout_console
 
-FileArg = Annotated[
+FileOrTraceArg = Annotated[
     Path,
     typer.Argument(
         metavar="FILE|TRACE",
@@ -37,26 +41,6 @@ FileArg = Annotated[
         "`replay --record`.",
         show_default=False,
     ),
-]
-FormatOpt = Annotated[
-    str, typer.Option("--format", help=f"Format of a prompt file: {', '.join(FORMATS)}.")
-]
-TokenizerOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--model", "-m", help="Tokenizer for prompt text. [default: SmolLM2-135M-Instruct]"
-    ),
-]
-RateOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Requests per second ('inf': all at once). [default: the file's timestamps, "
-        "else all at once]",
-        show_default=False,
-    ),
-]
-LimitOpt = Annotated[
-    int | None, typer.Option(min=1, help="Only the first N requests of a prompt file.")
 ]
 JobsOpt = Annotated[
     int | None,
@@ -77,7 +61,7 @@ NOW_HELP = {
 
 @engine_options(only=(*NOW_HELP, "enable_prefix_caching"), help=NOW_HELP)
 def advise_cmd(
-    file: FileArg,
+    file: FileOrTraceArg,
     fmt: FormatOpt = "auto",
     model: TokenizerOpt = None,
     chat: ChatOpt = False,

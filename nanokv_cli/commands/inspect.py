@@ -17,7 +17,16 @@ from ..whatif.replay import DRY_RUN_CACHE_TOKENS
 from ..workload.prompts import FORMATS, PromptRequest, read_prompts
 from .engine_options import EngineFlags, engine_options
 from .errors import CliError, one_line, user_errors
-from .options import DEFAULT_BLOCK_SIZE, ChatOpt, DebugOpt, JsonOpt, check_format
+from .options import (
+    DEFAULT_BLOCK_SIZE,
+    ChatOpt,
+    DebugOpt,
+    FormatOpt,
+    JsonOpt,
+    LimitOpt,
+    TokenizerOpt,
+    check_format,
+)
 from .output import print_json, stdout_console
 
 # inspect --json lists this many blocks and sequences unless --all: a cache of 8,000 blocks
@@ -65,16 +74,6 @@ PromptsOpt = Annotated[
         "--prompts", help="Instead of a trace: show how this prompt file's prompts map onto blocks."
     ),
 ]
-FormatOpt = Annotated[
-    str, typer.Option("--format", help=f"Format of --prompts: {', '.join(FORMATS)}.")
-]
-TokenizerOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--model", "-m", help="Tokenizer for --prompts text. [default: SmolLM2-135M-Instruct]"
-    ),
-]
-LimitOpt = Annotated[int | None, typer.Option(min=1, help="Only the first N prompts of --prompts.")]
 AllOpt = Annotated[
     bool,
     typer.Option(

@@ -12,6 +12,7 @@ import typer
 
 from ..engine.config import EngineConfig
 from ..engine.sampling_params import SamplingParams
+from ..workload.prompts import FORMATS
 
 DEFAULT_BLOCK_SIZE = EngineConfig.block_size
 DEFAULT_MAX_TOKENS = 64
@@ -42,6 +43,34 @@ JsonOpt = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON instead of text.")
 ]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback of errors.")]
+# A prompt file or request trace, as replay, advise and inspect --prompts read one.
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help=f"Format of the prompt file or trace: {', '.join(FORMATS)}.",
+        show_default=True,
+    ),
+]
+TokenizerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", help="Tokenizer for prompt text. [default: SmolLM2-135M-Instruct]"
+    ),
+]
+LimitOpt = Annotated[int | None, typer.Option(min=1, help="Only the first N requests of the file.")]
+RateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Send requests as a Poisson process of this many per second ('inf': all at once). "
+        "[default: the file's timestamps, else all at once]",
+        show_default=False,
+    ),
+]
+RecordOpt = Annotated[
+    Path | None,
+    typer.Option(help="Write every cache event to this trace file (for `nanokv inspect`)."),
+]
 HtmlOpt = Annotated[
     Path | None,
     typer.Option(

@@ -32,10 +32,14 @@ from .options import (
     DEFAULT_BLOCK_SIZE,
     ChatOpt,
     DebugOpt,
+    FormatOpt,
     HtmlOpt,
     JsonOpt,
+    LimitOpt,
     LiveOpt,
     ModelOpt,
+    RateOpt,
+    RecordOpt,
     check_dry_run_memory,
     check_fleet_memory,
     check_format,
@@ -47,9 +51,6 @@ from .output import print_json, stdout_console
 
 FileArg = Annotated[
     Path, typer.Argument(metavar="FILE", help="Prompt file or request trace.", show_default=False)
-]
-FormatOpt = Annotated[
-    str, typer.Option("--format", help=f"File format: {', '.join(FORMATS)}.", show_default=True)
 ]
 DryRunOpt = Annotated[
     bool,
@@ -67,20 +68,7 @@ NumBlocksOpt = Annotated[
         show_default=False,
     ),
 ]
-RateOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Send requests as a Poisson process of this many per second ('inf': all at once). "
-        "[default: the file's timestamps, else all at once]",
-        show_default=False,
-    ),
-]
-LimitOpt = Annotated[int | None, typer.Option(min=1, help="Replay only the first N requests.")]
 ReportOpt = Annotated[Path | None, typer.Option(help="Write the report as JSON to this file.")]
-RecordOpt = Annotated[
-    Path | None,
-    typer.Option(help="Write every cache event to this trace file (for `nanokv inspect`)."),
-]
 PerRequestOpt = Annotated[
     Path | None,
     typer.Option(

@@ -15,7 +15,15 @@ from ..serve.limits import ServeLimits
 from .engine_options import EngineFlags, engine_options
 from .errors import user_errors
 from .models import make_llm
-from .options import DEFAULT_MAX_TOKENS, DebugOpt, LiveOpt, ModelOpt, RequestMaxTokensOpt, want_live
+from .options import (
+    DEFAULT_MAX_TOKENS,
+    DebugOpt,
+    LiveOpt,
+    ModelOpt,
+    RecordOpt,
+    RequestMaxTokensOpt,
+    want_live,
+)
 from .output import stdout_console
 
 # serve's step latency target (ms): the shortest that keeps 90% of the fixed budget's tokens/s
@@ -64,11 +72,7 @@ ServedNameOpt = Annotated[
         show_default=False,
     ),
 ]
-RecordOpt = Annotated[
-    Path | None,
-    typer.Option(help="Write every cache event to this trace file (for `nanokv inspect`)."),
-]
-ReportOpt = Annotated[
+ExitReportOpt = Annotated[
     Path | None, typer.Option(help="Write the run's report as JSON to this file on exit.")
 ]
 ShutdownOpt = Annotated[
@@ -141,7 +145,7 @@ def serve_cmd(
     engine: EngineFlags,
     live: LiveOpt = None,
     record: RecordOpt = None,
-    report: ReportOpt = None,
+    report: ExitReportOpt = None,
     shutdown_timeout: ShutdownOpt = 30.0,
     limit_concurrency: ConcurrencyOpt = DEFAULT_LIMITS.limit_concurrency,
     limit_connections: ConnectionsOpt = DEFAULT_LIMITS.limit_connections,

@@ -18,7 +18,7 @@ UrlsArg = Annotated[
         show_default=False,
     ),
 ]
-ApiKeyOpt = Annotated[
+ServersApiKeyOpt = Annotated[
     str | None,
     typer.Option(
         "--api-key",
@@ -31,7 +31,9 @@ ApiKeyOpt = Annotated[
 OnceOpt = Annotated[
     bool, typer.Option("--once", help="Print one frame and exit (1 if a server is not up).")
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="With --once: the frame's numbers as JSON.")]
+OnceJsonOpt = Annotated[
+    bool, typer.Option("--json", help="With --once: the frame's numbers as JSON.")
+]
 IntervalOpt = Annotated[
     float, typer.Option(min=0.1, help="Seconds between frames at most (piped: exactly).")
 ]
@@ -42,9 +44,9 @@ TimeoutOpt = Annotated[
 
 def top_cmd(
     urls: UrlsArg,
-    api_key: ApiKeyOpt = None,
+    api_key: ServersApiKeyOpt = None,
     once: OnceOpt = False,
-    json_out: JsonOpt = False,
+    json_out: OnceJsonOpt = False,
     interval: IntervalOpt = 1.0,
     timeout: TimeoutOpt = 10.0,
 ) -> None:
