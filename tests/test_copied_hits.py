@@ -14,6 +14,7 @@ from rich.console import Console
 from support.engines import compute, dry_engine, lookup_of, run_workload, seq_of
 
 from nanokv_cli.engine.block_manager import BlockManager
+from nanokv_cli.engine.core.cache_numbers import miss_label
 from nanokv_cli.engine.core.events import (
     BlockCopied,
     CacheLookup,
@@ -22,7 +23,6 @@ from nanokv_cli.engine.core.events import (
 )
 from nanokv_cli.engine.sampling_params import SamplingParams
 from nanokv_cli.run.analysis import explain_request
-from nanokv_cli.run.stats import miss_label
 from nanokv_cli.trace.format import make_header
 from nanokv_cli.trace.reader import TraceReader
 from nanokv_cli.trace.writer import TraceWriter

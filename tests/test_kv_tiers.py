@@ -24,6 +24,7 @@ from nanokv_cli.engine.tiers.factory import open_tier
 from nanokv_cli.engine.tiers.fingerprint import Fingerprint
 from nanokv_cli.engine.tiers.host import HostTier
 from nanokv_cli.engine.tiers.layout import FILE_HEADER_BYTES, file_name, slot_size
+from nanokv_cli.engine.tiers.model_tier import ModelTier
 from nanokv_cli.engine.tiers.spec import TierSpec, format_size, parse_size, parse_tier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -611,3 +612,24 @@ def test_tiers_import_only_the_stdlib_and_their_few_libraries():
                 continue
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_a_restored_block_stored_again_before_its_write_stores_what_was_restored():
+    """A restored block's K/V wait in a buffer until the runner writes them before the next
+    forward pass. Evicted into the tier before that (the sequence freed it, the tier had let
+    its copy go), it must store the buffer's K/V, not what the cache slot still holds."""
+    tier = HostTier(FP.block_bytes, FP, pin=False)  # room for one block
+    layers, _, bs, heads, dim = FP.block_shape
+    cache = torch.full((layers, 2, 3, bs, heads, dim), float("nan"))  # 3 blocks, unwritten
+    backend = ModelTier(tier, cache, bandwidth=1e9)
+    assert tier.store(11, tokens_of(1), block_of(1))
+    handle = backend.fetch(11, tokens_of(1))
+    backend.place(0, handle)  # restored into block 0, not yet written
+    assert tier.store(22, tokens_of(2), block_of(2)) and 11 not in tier  # the tier let it go
+    assert backend.save(0, 11, tokens_of(1))
+    out = torch.empty(FP.block_shape, dtype=FP.torch_kv_dtype)
+    assert tier.load(11, tokens_of(1), out)
+    assert torch.equal(bits(out), bits(block_of(1)))
+    backend.apply()  # and the write still lands
+    assert torch.equal(bits(cache[:, :, 0]), bits(block_of(1)))
+    assert cache[:, :, 1:].isnan().all()

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.core.cache_numbers import cache_numbers, explain_miss, lookup_record
 from ..engine.core.events import (
     BlockAllocated,
     BlockCopied,
@@ -27,7 +28,6 @@ from ..engine.core.events import (
 )
 from ..trace.format import TraceError, _MissingPrompt
 from ..trace.reader import TraceReader
-from .stats import cache_numbers
 
 # Events that come between a lookup's own (evictions, a restored block's registration) and
 # name no sequence: following a lookup's blocks goes on past them.
@@ -68,8 +68,6 @@ def _follow_lookups(
 ) -> tuple[list[dict[str, Any]], int | None, bool]:
     """The lookups of ``seq_id`` with their blocks, its prompt's length (from its first
     lookup), and whether the trace records lookups at all; ``state`` follows the events."""
-    from .stats import explain_miss, lookup_record
-
     apply = state.listener()
     lookups: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None

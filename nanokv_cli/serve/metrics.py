@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as prometheus_text
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..engine.core.cache_numbers import cache_numbers
 from ..engine.core.cache_stats import MISS_REASONS
 from ..engine.core.events import AllBlocksCleared, BlockAllocated, BlockCopied, BlockHit
-from ..run.stats import cache_numbers
 
 # Buckets as vLLM's.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

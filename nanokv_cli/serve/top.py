@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..engine.core.cache_numbers import cache_numbers
 from ..engine.core.cache_stats import MISS_REASONS
 from ..engine.core.events import StepSnapshot, event_from_dict
-from ..run.stats import cache_numbers
 from ..trace.checks import _check_event
 from .cache_stream import CACHED, EVENTS_PATH, PROTOCOL, decode_codes
 

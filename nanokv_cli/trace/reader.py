@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..engine.core.cache_numbers import cache_numbers
 from ..engine.core.events import CacheState, Event, SequenceAdded, StepSnapshot
 from ..paths import kind_of
-from ..run.stats import cache_numbers
 from .checkpoints import Checkpoints
 from .format import _CODES, MAGIC, TraceError, _reason, _short
 from .jsonl_v1 import _JsonlTrace

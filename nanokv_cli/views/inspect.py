@@ -9,8 +9,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ..engine.core.cache_numbers import miss_label
 from ..engine.core.events import CacheState
-from ..run.stats import miss_label
 from .blockmap import FREE, USED, block_cell, blocks_per_cell, legend, render_block_map, shared_cell
 
 

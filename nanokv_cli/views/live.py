@@ -235,7 +235,7 @@ class LiveView:
         text.append(self._fit(len(text.plain), queue, gap=5) + "\n")
         text.append("cache   ", "bold")
         if s.queries:
-            # First admissions only (block_manager.CacheStats): the headline everywhere.
+            # First admissions only (cache_stats.CacheStats): the headline everywhere.
             headline = f"hit rate {s.hits / s.queries:.1%}"
             text.append(headline, "bold yellow")
             sources = (

@@ -18,6 +18,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from ..engine.core.cache_numbers import below_block, lookup_record
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import TOKEN_ID_RANGE
 from ..paths import kind_of
@@ -363,7 +364,6 @@ def map_prompt_blocks(
     from ..engine.block_manager import BlockManager
     from ..engine.core.events import CacheLookup
     from ..engine.sequence import Sequence
-    from ..run.stats import lookup_record
 
     lookups: list[CacheLookup] = []
     total = sum(-(-len(t) // block_size) for t in token_lists)
@@ -422,8 +422,6 @@ def _misses_as_rows_say(
     """The missed tokens by reason, in the words each prompt's row uses: a prompt too short to
     fill one block is ``below-block`` in both (the engine counts it as ``last-block``; advise
     tells the two apart the same way), so the rows add up to the headline."""
-    from ..run.stats import below_block
-
     below = 0
     for p in prompts:
         if below_block(p, block_size):

@@ -30,7 +30,7 @@ class SequenceAdded:
 @dataclass(slots=True)
 class CacheLookup:
     """A sequence was admitted: ``num_tokens`` looked up, ``num_hit_tokens`` served from the
-    prefix cache, and why the rest missed (``reason``: one of ``block_manager.MISS_REASONS``,
+    prefix cache, and why the rest missed (``reason``: one of ``cache_stats.MISS_REASONS``,
     for logical block ``miss_block`` and every block after it). ``first`` is False for a
     re-admission after preemption, whose lookups stay out of the headline hit rate."""
 
@@ -165,7 +165,7 @@ class StepSnapshot:
     num_decode_tokens: int
     wall_time: float  # seconds spent in this step
     clock: float  # engine clock at the end of the step (wall or virtual seconds)
-    # Cumulative prefix-cache counters, named and defined as in block_manager.CacheStats:
+    # Cumulative prefix-cache counters, named and defined as in cache_stats.CacheStats:
     queries: int  # prompt tokens looked up at first admission
     hits: int  # ...served from the cache (shared + revived + copied)
     shared_hits: int

@@ -2,7 +2,7 @@
 
 The BlockManager calls in at each change that bears on a later explanation (a block allocated,
 computed, registered, evicted or overwritten) and asks ``explain`` at each admission. The
-reasons, tested in this order (the first that applies wins; ``block_manager.MISS_REASONS``):
+reasons, tested in this order (the first that applies wins; ``cache_stats.MISS_REASONS``):
 
 * ``disabled``: prefix caching is off.
 * ``preempted``: a re-admission after preemption recomputes what it lost.
